@@ -1,0 +1,97 @@
+"""Checkpoints in model_dir: resume, fall back past corrupt ones, never
+overwrite a checkpoint of a different model."""
+
+import json
+import os
+
+from absl import logging
+import tensorflow as tf
+
+from tfdist.errors import CheckpointError
+
+SIGNATURE_FILE = "tfdist_model.json"
+
+
+
+def model_signature(*, model_name, model, num_classes):
+  """What must match for a checkpoint to be restored into this model."""
+  return {
+      "model": model_name,
+      "num_classes": int(num_classes),
+      "variables": {v.path: list(v.shape) for v in model.weights},
+  }
+
+
+def _describe_mismatch(saved, wanted):
+  if saved["model"] != wanted["model"]:
+    return f"model {saved['model']!r}, not {wanted['model']!r}"
+  if saved["num_classes"] != wanted["num_classes"]:
+    return (f"{saved['num_classes']} classes, not "
+            f"{wanted['num_classes']}")
+  for name, shape in wanted["variables"].items():
+    if saved["variables"].get(name) != shape:
+      return (f"variable {name} with shape {saved['variables'].get(name)}, "
+              f"not {shape}")
+  return "different variables"
+
+
+class CheckpointStore:
+  """Wraps tf.train.CheckpointManager for one model_dir."""
+
+  def __init__(self, *, checkpoint, model_dir, write_dir, keep, signature):
+    self._checkpoint = checkpoint
+    self._model_dir = model_dir
+    self._signature = signature
+    self._write_dir = write_dir
+    self._reader = tf.train.CheckpointManager(checkpoint, model_dir,
+                                              max_to_keep=keep)
+    self._manager = (self._reader if write_dir == model_dir else
+                     tf.train.CheckpointManager(checkpoint, write_dir,
+                                                max_to_keep=1))
+
+  def _check_signature(self):
+    path = os.path.join(self._model_dir, SIGNATURE_FILE)
+    if not tf.io.gfile.exists(path):
+      return
+    with tf.io.gfile.GFile(path) as f:
+      saved = json.load(f)
+    if saved != self._signature:
+      raise CheckpointError(
+          f"model_dir {self._model_dir} holds checkpoints of "
+          f"{_describe_mismatch(saved, self._signature)}; use another "
+          "--model_dir (nothing was changed).")
+
+  def restore(self):
+    """Restores the newest usable checkpoint; returns its path or None."""
+    self._check_signature()
+    candidates = list(reversed(self._reader.checkpoints))
+    for path in candidates:
+      try:
+        self._checkpoint.restore(path).assert_existing_objects_matched()
+        return path
+      except tf.errors.OpError as e:
+        logging.warning("Checkpoint %s is unreadable (%s); trying the one "
+                        "before it.", path, str(e).splitlines()[0][:160])
+      except (AssertionError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} does not match the requested model "
+            f"({str(e).splitlines()[0][:160]}); use another --model_dir "
+            "(nothing was changed).") from None
+    if candidates:
+      raise CheckpointError(
+          f"no readable checkpoint in {self._model_dir} (tried "
+          f"{len(candidates)}); nothing was changed.")
+    return None
+
+  def save(self, step):
+    """Saves at `step`. Every worker calls it; only the chief's is kept."""
+    path = self._manager.save(checkpoint_number=step)
+    if self._write_dir == self._model_dir:
+      self._write_signature()
+    return path
+
+  def _write_signature(self):
+    path = os.path.join(self._model_dir, SIGNATURE_FILE)
+    if not tf.io.gfile.exists(path):
+      with tf.io.gfile.GFile(path, "w") as f:
+        json.dump(self._signature, f, indent=1, sort_keys=True)

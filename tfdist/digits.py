@@ -1,0 +1,58 @@
+"""`digits`: scikit-learn's 1,797 8x8 handwritten digits as a tfds dataset.
+
+The data ships inside scikit-learn, so preparing it needs no network.
+"""
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+TEST_FRACTION = 0.2
+NUM_SHARDS = 4  # Several TFRecord files per split, so file sharding works.
+
+
+def _split_arrays(split):
+  from sklearn import datasets  # Imported here: only preparing needs it.
+  digits = datasets.load_digits()
+  # Pixels are 0..16; store them as 0..255 uint8 images.
+  images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)
+  order = np.random.RandomState(0).permutation(len(images))
+  num_test = int(round(len(images) * TEST_FRACTION))
+  chosen = order[:num_test] if split == "test" else order[num_test:]
+  return images[chosen, :, :, None], digits.target[chosen]
+
+
+class Digits(tfds.core.GeneratorBasedBuilder):
+  """scikit-learn's handwritten digits, 8x8 grey images, 10 classes."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "Initial release."}
+
+  def _info(self):
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description="UCI ML handwritten digits as shipped by scikit-learn.",
+        features=tfds.features.FeaturesDict({
+            "image": tfds.features.Image(shape=(8, 8, 1)),
+            "label": tfds.features.ClassLabel(num_classes=10),
+        }),
+        supervised_keys=("image", "label"),
+        homepage="https://scikit-learn.org/stable/datasets/toy_dataset.html",
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # Nothing to download.
+    return {split: self._generate_examples(split)
+            for split in ("train", "test")}
+
+  def _generate_examples(self, split):
+    images, labels = _split_arrays(split)
+    for index, (image, label) in enumerate(zip(images, labels)):
+      yield f"{split}-{index}", {"image": image, "label": int(label)}
+
+
+def prepare(data_dir):
+  """Prepares `digits` in `data_dir` (a no-op once done) and returns it."""
+  builder = Digits(data_dir=data_dir)
+  builder.download_and_prepare(
+      download_config=tfds.download.DownloadConfig(num_shards=NUM_SHARDS))
+  return builder

@@ -1,0 +1,21 @@
+"""Errors that the CLI reports as one line, without a traceback."""
+
+
+class TfdistError(Exception):
+  """A problem the user can fix: bad input, bad model_dir, bad cluster."""
+
+  exit_code = 2
+
+
+class ConfigError(TfdistError, ValueError):
+  """An invalid flag value or combination of values."""
+
+
+class CheckpointError(TfdistError):
+  """A model_dir whose checkpoints cannot be used for this run."""
+
+
+class NonFiniteLossError(TfdistError):
+  """Training produced a NaN or Inf loss."""
+
+  exit_code = 3

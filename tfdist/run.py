@@ -1,0 +1,67 @@
+"""Runs one training job from a Config: devices, strategy, data, Trainer."""
+
+import os
+import tempfile
+
+from absl import logging
+
+from tfdist import quiet
+from tfdist.errors import TfdistError
+
+
+def ensure_writable_dir(path):
+  """Creates `path` if needed and proves a file can be written in it."""
+  try:
+    os.makedirs(path, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path, prefix=".tfdist-probe-"):
+      pass
+  except OSError as e:
+    raise TfdistError(f"model_dir {path} is not writable: "
+                      f"{e.strerror or e}") from None
+
+
+def start_tensorflow(config, *, tf_config=None, show_native_logs=False):
+  """Imports TF, splits the CPU and creates the strategy, in that order.
+
+  A multi-worker strategy must exist before any other TF op runs, so
+  nothing else may touch the runtime before this returns.
+  """
+  with quiet.native_stderr_captured(enabled=not show_native_logs):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist import strategies  # pylint: disable=g-import-not-at-top
+    import tensorflow_datasets  # noqa: F401  (its import warns on stderr)
+    strategies.configure_cpu_devices(config.num_cpu_devices)
+    info = strategies.create_strategy(config, tf_config=tf_config)
+    tf.config.list_logical_devices()
+  logging.info("Strategy: %s (%s), %d replica(s).", info.name, info.reason,
+               info.num_replicas)
+  return info
+
+
+def run(config, *, tf_config=None, show_native_logs=False):
+  """Trains per `config`; returns the Trainer's RunResult."""
+  import models  # pylint: disable=g-import-not-at-top
+  models.check_name(config.model)
+  ensure_writable_dir(config.model_dir)
+  info = start_tensorflow(config, tf_config=tf_config,
+                          show_native_logs=show_native_logs)
+  from tfdist import data  # pylint: disable=g-import-not-at-top
+  from tfdist import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  trainer_lib.check_batch_size(config.batch_size, info.num_replicas)
+  dataset = data.load(config)
+  trainer = trainer_lib.Trainer(config=config, strategy_info=info,
+                                dataset=dataset)
+  return trainer.run()
+
+
+def summary_lines(config, result):
+  """The closing lines printed after a run."""
+  evals = result.eval_metrics
+  return [
+      f"Finished at step {result.step}/{config.train_steps} in "
+      f"{result.seconds:.1f}s: eval accuracy {evals['accuracy']:.4f}, "
+      f"eval loss {evals['loss']:.4f} ({evals['examples']} examples).",
+      f"  checkpoint:  {result.checkpoint}",
+      f"  export:      {result.export_dir or '(not exported)'}",
+      f"  tensorboard: tensorboard --logdir {config.model_dir}",
+  ]

@@ -1,0 +1,31 @@
+"""Step runners: how a loop function is invoked on each kind of strategy.
+
+The Trainer owns the outer loop; a runner only knows how to feed a loop
+function its input and bring its results back to the host as numpy.
+"""
+
+import tensorflow as tf
+
+
+class SyncRunner:
+  """Strategies whose loop runs in this process: default, one_device,
+  mirrored, tpu and multi_worker_mirrored."""
+
+  def __init__(self, strategy):
+    self._strategy = strategy
+
+  def make_iterator(self, input_fn):
+    return iter(self._strategy.distribute_datasets_from_function(input_fn))
+
+  def run(self, loop_fn, iterator, num_steps):
+    results = loop_fn(iterator, tf.constant(num_steps, tf.int32))
+    return tf.nest.map_structure(lambda t: t.numpy(), results)
+
+
+def create(strategy_info):
+  """Returns the runner for `strategy_info.name`."""
+  if strategy_info.name in ("default", "one_device", "mirrored", "tpu",
+                            "multi_worker_mirrored"):
+    return SyncRunner(strategy_info.strategy)
+  raise ValueError(f"Unrecognized strategy for a runner: "
+                   f"{strategy_info.name!r}")

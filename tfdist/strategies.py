@@ -1,0 +1,124 @@
+"""Strategy factory: maps a strategy name to a tf.distribute.Strategy, once."""
+
+import dataclasses
+from typing import Optional, Tuple
+
+from absl import logging
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyInfo:
+  """The strategy plus what the trainer needs to know about this process."""
+
+  strategy: tf.distribute.Strategy
+  name: str
+  reason: str
+  is_chief: bool = True
+  worker_index: int = 0
+  num_workers: int = 1
+
+  @property
+  def num_replicas(self):
+    return self.strategy.num_replicas_in_sync
+
+
+def configure_cpu_devices(num_devices):
+  """Splits the host CPU into `num_devices` logical devices.
+
+  Must run before TensorFlow initializes its runtime.
+  """
+  if num_devices < 1:
+    raise ConfigError("num_cpu_devices must be > 0. "
+                      f"Received: num_cpu_devices={num_devices}")
+  if num_devices == 1:
+    return
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  try:
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices)
+  except RuntimeError as e:
+    raise ConfigError("num_cpu_devices must be set before TensorFlow starts; "
+                      f"{e}") from None
+
+
+def choose_auto(*, tf_config, num_gpus, num_cpu_devices, num_tpus=0
+                ) -> Tuple[str, str]:
+  """Returns (strategy name, reason) for --strategy=auto. Pure."""
+  cluster = (tf_config or {}).get("cluster", {})
+  if cluster.get("ps"):
+    return "parameter_server", "TF_CONFIG lists ps tasks"
+  trainers = len(cluster.get("chief", [])) + len(cluster.get("worker", []))
+  if trainers > 1:
+    return ("multi_worker_mirrored",
+            f"TF_CONFIG lists {trainers} chief/worker tasks")
+  if num_tpus:
+    return "tpu", f"{num_tpus} TPU cores are visible"
+  if num_gpus > 1:
+    return "mirrored", f"{num_gpus} GPUs are visible"
+  if num_gpus == 1:
+    return "one_device", "one GPU is visible"
+  if num_cpu_devices > 1:
+    return "mirrored", f"--num_cpu_devices={num_cpu_devices} logical CPUs"
+  return "default", "one device and no cluster in TF_CONFIG"
+
+
+def _local_devices():
+  gpus = tf.config.list_logical_devices("GPU")
+  return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+
+
+def _mirrored_devices(num_replicas):
+  devices = _local_devices()
+  if num_replicas > len(devices):
+    raise ConfigError(
+        f"num_replicas={num_replicas} but only {len(devices)} devices exist "
+        f"({', '.join(devices)}); raise --num_cpu_devices or lower "
+        "--num_replicas.")
+  return devices[:num_replicas] if num_replicas else devices
+
+
+def _tpu_strategy(address):
+  resolver_cls = tf.distribute.cluster_resolver.TPUClusterResolver
+  try:
+    resolver = resolver_cls(tpu=address)
+    tf.config.experimental_connect_to_cluster(resolver)
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+  except (ValueError, OSError, tf.errors.OpError) as e:
+    detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise ConfigError(f"no TPU found at {address!r}: {detail[:200]}") from None
+  return tf.distribute.TPUStrategy(resolver)
+
+
+def _not_yet(name):
+  raise ConfigError(f"--strategy={name} is not yet supported by this build "
+                    "of tfdist.")
+
+
+def create_strategy(config, *, tf_config: Optional[dict] = None
+                    ) -> StrategyInfo:
+  """Builds the strategy named by `config.strategy` (resolving `auto`)."""
+  name, reason = config.strategy, "requested with --strategy"
+  if name == "auto":
+    name, reason = choose_auto(
+        tf_config=tf_config,
+        num_gpus=len(tf.config.list_physical_devices("GPU")),
+        num_cpu_devices=config.num_cpu_devices)
+  if name == "default":
+    strategy = tf.distribute.get_strategy()
+  elif name == "one_device":
+    strategy = tf.distribute.OneDeviceStrategy(_local_devices()[0])
+  elif name == "mirrored":
+    strategy = tf.distribute.MirroredStrategy(
+        _mirrored_devices(config.num_replicas))
+  elif name == "tpu":
+    strategy = _tpu_strategy(config.tpu)
+  elif name in ("multi_worker_mirrored", "parameter_server"):
+    _not_yet(name)
+  else:
+    raise ConfigError(f"Unrecognized strategy: {name!r}")
+  logging.info("Strategy: %s (%s), %d replica(s).", name, reason,
+               strategy.num_replicas_in_sync)
+  return StrategyInfo(strategy=strategy, name=name, reason=reason)

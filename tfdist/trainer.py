@@ -1,0 +1,260 @@
+"""The one outer loop: train, eval, checkpoint, summaries, export.
+
+Strategy-specific work lives in a step runner (tfdist.runners); this file
+never branches on the strategy.
+"""
+
+import dataclasses
+import datetime
+import os
+import time
+from typing import Optional
+
+from absl import logging
+import keras
+import numpy as np
+import tensorflow as tf
+
+import models
+from tfdist import checkpoints
+from tfdist import data
+from tfdist import export
+from tfdist import optimizers
+from tfdist import runners
+from tfdist import steps
+from tfdist import summaries
+from tfdist.errors import ConfigError
+from tfdist.errors import NonFiniteLossError
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+  """What a finished run reports."""
+
+  step: int
+  eval_metrics: dict
+  train_metrics: dict
+  step_losses: list
+  checkpoint: Optional[str]
+  export_dir: Optional[str]
+  seconds: float
+
+
+def check_batch_size(global_batch_size, num_replicas):
+  if global_batch_size % num_replicas:
+    raise ConfigError(
+        "batch_size (the global batch) must be divisible by the number of "
+        f"replicas. Received: batch_size={global_batch_size} for "
+        f"{num_replicas} replicas")
+
+
+def _next_multiple(step, every):
+  return (step // every + 1) * every
+
+
+class _Meter:
+  """Running train metrics between two log lines."""
+
+  def __init__(self, now):
+    self.reset(now)
+
+  def reset(self, now):
+    self.start, self.steps, self.loss, self.correct, self.examples = (
+        now, 0, 0.0, 0.0, 0.0)
+
+  def add(self, sums, num_steps):
+    self.steps += num_steps
+    self.loss += float(np.sum(sums["step_loss"][:num_steps]))
+    self.correct += float(sums["correct"])
+    self.examples += float(sums["examples"])
+
+  def read(self, now, global_batch_size):
+    seconds = max(now - self.start, 1e-9)
+    return {"loss": self.loss / max(self.steps, 1),
+            "accuracy": self.correct / max(self.examples, 1.0),
+            "steps_per_sec": self.steps / seconds,
+            "examples_per_sec": self.steps * global_batch_size / seconds}
+
+
+class Trainer:
+  """Trains `config.model` on `config.dataset` under one strategy."""
+
+  def __init__(self, *, config, strategy_info, dataset, write_dir=None):
+    check_batch_size(config.batch_size, strategy_info.num_replicas)
+    self._config = config
+    self._info = strategy_info
+    self._dataset = dataset
+    self._strategy = strategy_info.strategy
+    self._runner = runners.create(strategy_info)
+    self._write_dir = write_dir or config.model_dir
+    self._build()
+
+  # Construction --------------------------------------------------------
+
+  def _build(self):
+    config = self._config
+    keras.mixed_precision.set_global_policy(
+        "float32" if config.mixed_precision == "none"
+        else config.mixed_precision)
+    keras.utils.set_random_seed(config.seed)
+    with self._strategy.scope():
+      self.model = models.build(config.model,
+                                input_shape=self._dataset.input_shape,
+                                num_classes=self._dataset.num_classes)
+      self.optimizer = optimizers.create(
+          config.optimizer, learning_rate=config.learning_rate,
+          mixed_precision=config.mixed_precision)
+      self.optimizer.build(self.model.trainable_variables)
+      self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                     name="global_step")
+    self._loops = steps.LoopFunctions(
+        strategy=self._strategy, model=self.model, optimizer=self.optimizer,
+        global_batch_size=config.batch_size,
+        steps_per_loop=config.steps_per_loop, global_step=self.global_step)
+    self._checkpoints = checkpoints.CheckpointStore(
+        checkpoint=tf.train.Checkpoint(model=self.model,
+                                       optimizer=self.optimizer,
+                                       step=self.global_step),
+        model_dir=config.model_dir, write_dir=self._write_dir,
+        keep=config.keep_checkpoints,
+        signature=checkpoints.model_signature(
+            model_name=config.model, model=self.model,
+            num_classes=self._dataset.num_classes))
+
+  # Public --------------------------------------------------------------
+
+  def run(self) -> RunResult:
+    """Resumes from model_dir if it can, then trains to train_steps."""
+    config = self._config
+    started = time.perf_counter()
+    restored = self._checkpoints.restore()
+    step = int(self.global_step.numpy())
+    if restored:
+      logging.info("Resumed from %s at step %d.", restored, step)
+    self._summaries = summaries.Summaries(
+        config.model_dir, enabled=self._info.is_chief)
+    self._summaries.hparams(config.to_dict())
+    self._eval_iterations = data.eval_steps(
+        self._dataset, global_batch_size=config.batch_size,
+        requested=config.eval_steps)
+    history = []
+    train_metrics = {}
+    last_checkpoint = restored
+    try:
+      if step < config.train_steps:
+        step, train_metrics, last_checkpoint = self._train(
+            step, history, last_checkpoint)
+      eval_metrics = self.evaluate(step)
+      export_dir = self._export()
+    finally:
+      self._summaries.close()
+    return RunResult(step=step, eval_metrics=eval_metrics,
+                     train_metrics=train_metrics, step_losses=history,
+                     checkpoint=last_checkpoint, export_dir=export_dir,
+                     seconds=time.perf_counter() - started)
+
+  def evaluate(self, step):
+    """One pass over the test split (or eval_steps batches), exact."""
+    iterator = self._runner.make_iterator(data.eval_input_fn(
+        self._dataset, global_batch_size=self._config.batch_size))
+    sums = self._runner.run(self._loops.eval_loop, iterator,
+                            self._eval_iterations)
+    examples = max(float(sums["examples"]), 1.0)
+    metrics = {"loss": float(sums["loss_sum"]) / examples,
+               "accuracy": float(sums["correct"]) / examples,
+               "examples": int(sums["examples"])}
+    logging.info("eval  step %d: accuracy %.4f  loss %.4f  (%d examples)",
+                 step, metrics["accuracy"], metrics["loss"],
+                 metrics["examples"])
+    self._summaries.scalars("eval", step, {k: metrics[k] for k in
+                                           ("loss", "accuracy")})
+    return metrics
+
+  # The outer loop -----------------------------------------------------
+
+  def _boundaries(self, step):
+    config = self._config
+    ends = [step + config.steps_per_loop, config.train_steps,
+            _next_multiple(step, config.log_every)]
+    for every in (config.eval_every, config.checkpoint_every):
+      if every:
+        ends.append(_next_multiple(step, every))
+    if config.profile_steps:
+      ends.extend(s for s in config.profile_steps if s > step)
+    return min(ends)
+
+  def _train(self, step, history, last_checkpoint):
+    config = self._config
+    iterator = self._runner.make_iterator(data.train_input_fn(
+        self._dataset, global_batch_size=config.batch_size, seed=config.seed,
+        start_step=step))
+    logging.info("Training %s on %s with %s: step %d -> %d, global batch "
+                 "%d over %d replica(s).", config.model, self._dataset.name,
+                 self._info.name, step, config.train_steps,
+                 config.batch_size, self._info.num_replicas)
+    meter = _Meter(time.perf_counter())
+    first_step, loop_started = step, time.perf_counter()
+    metrics = {}
+    while step < config.train_steps:
+      self._profile(step)
+      num_steps = self._boundaries(step) - step
+      sums = self._runner.run(self._loops.train_loop, iterator, num_steps)
+      self._check_finite(sums["step_loss"][:num_steps], step, last_checkpoint)
+      history.extend(float(x) for x in sums["step_loss"][:num_steps])
+      meter.add(sums, num_steps)
+      step += num_steps
+      if step % config.log_every == 0 or step == config.train_steps:
+        metrics = meter.read(time.perf_counter(), config.batch_size)
+        self._log_progress(step, metrics, first_step, loop_started)
+        meter.reset(time.perf_counter())
+      if step < config.train_steps:
+        if config.eval_every and step % config.eval_every == 0:
+          self.evaluate(step)
+          meter.reset(time.perf_counter())
+        if config.checkpoint_every and step % config.checkpoint_every == 0:
+          last_checkpoint = self._save(step)
+    self._profile(step)
+    return step, metrics, self._save(step)
+
+  def _profile(self, step):
+    if not self._config.profile_steps:
+      return
+    start, end = self._config.profile_steps
+    if start <= step < end:
+      self._summaries.start_profile()
+    elif step >= end:
+      self._summaries.stop_profile()
+
+  def _check_finite(self, losses, step, last_checkpoint):
+    bad = np.flatnonzero(~np.isfinite(losses))
+    if bad.size:
+      raise NonFiniteLossError(
+          f"loss became {losses[bad[0]]} at step {step + bad[0] + 1}; "
+          f"training stopped. Last good checkpoint kept: "
+          f"{last_checkpoint or 'none'}.")
+
+  def _save(self, step):
+    path = self._checkpoints.save(step)
+    logging.info("Saved checkpoint %s.", path)
+    return path
+
+  def _log_progress(self, step, metrics, first_step, loop_started):
+    total = self._config.train_steps
+    elapsed = time.perf_counter() - loop_started
+    rate = (step - first_step) / max(elapsed, 1e-9)
+    eta = datetime.timedelta(seconds=round((total - step) / max(rate, 1e-9)))
+    logging.info("train step %d/%d: loss %.4f  accuracy %.4f  %.0f "
+                 "examples/s  ETA %s", step, total, metrics["loss"],
+                 metrics["accuracy"], metrics["examples_per_sec"], eta)
+    self._summaries.scalars("train", step, {
+        **metrics, "learning_rate": float(tf.convert_to_tensor(
+            self.optimizer.learning_rate.value))})
+
+  def _export(self):
+    if not (self._config.export and self._info.is_chief):
+      return None
+    export_dir = os.path.join(self._config.model_dir, "export")
+    export.export_saved_model(self.model, input_shape=self._dataset.input_shape,
+                              export_dir=export_dir)
+    logging.info("Exported SavedModel to %s.", export_dir)
+    return export_dir
