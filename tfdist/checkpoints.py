@@ -10,6 +10,8 @@ import tensorflow as tf
 from tfdist.errors import CheckpointError
 
 SIGNATURE_FILE = "tfdist_model.json"
+# What reading a truncated or corrupt checkpoint raises.
+_UNREADABLE = (tf.errors.OpError, IndexError, OSError, EOFError)
 
 
 
@@ -69,7 +71,7 @@ class CheckpointStore:
       try:
         self._checkpoint.restore(path).assert_existing_objects_matched()
         return path
-      except tf.errors.OpError as e:
+      except _UNREADABLE as e:
         logging.warning("Checkpoint %s is unreadable (%s); trying the one "
                         "before it.", path, str(e).splitlines()[0][:160])
       except (AssertionError, ValueError) as e:

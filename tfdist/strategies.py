@@ -87,7 +87,7 @@ def _tpu_strategy(address):
     tf.config.experimental_connect_to_cluster(resolver)
     tf.tpu.experimental.initialize_tpu_system(resolver)
   except (ValueError, OSError, tf.errors.OpError) as e:
-    detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+    detail = (str(e).splitlines() or [type(e).__name__])[0].split(". ")[0]
     raise ConfigError(f"no TPU found at {address!r}: {detail[:200]}") from None
   return tf.distribute.TPUStrategy(resolver)
 

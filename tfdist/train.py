@@ -92,7 +92,7 @@ def _parse_flags(argv):
   try:
     return FLAGS(argv)
   except flags.Error as e:
-    _fail(str(e).splitlines()[0])
+    _fail(str(e).splitlines()[0].removeprefix("ERROR:: "))
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

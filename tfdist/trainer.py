@@ -131,6 +131,8 @@ class Trainer:
     step = int(self.global_step.numpy())
     if restored:
       logging.info("Resumed from %s at step %d.", restored, step)
+      # The checkpoint holds the old rate; the flag given now wins.
+      self.optimizer.learning_rate.assign(config.learning_rate)
     self._summaries = summaries.Summaries(
         config.model_dir, enabled=self._info.is_chief)
     self._summaries.hparams(config.to_dict())

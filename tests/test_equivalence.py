@@ -1,0 +1,56 @@
+"""Mirrored over 2 and 4 logical CPUs trains exactly like one device."""
+
+import numpy as np
+import pytest
+
+import artifacts
+from conftest import run_cli
+
+STEPS = 20
+
+
+def _train(tmp_path, data_dir, name, *flags):
+  model_dir = str(tmp_path / name)
+  run_cli(f"--model_dir={model_dir}", f"--data_dir={data_dir}",
+          f"--train_steps={STEPS}", "--batch_size=64", "--steps_per_loop=4",
+          "--log_every=2", "--eval_every=0", "--checkpoint_every=0",
+          "--seed=7", "--noexport", *flags)
+  return model_dir
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_dir):
+  return _train(tmp_path_factory.mktemp("ref"), data_dir, "default",
+                "--strategy=default")
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_mirrored_matches_default(replicas, reference, tmp_path, data_dir):
+  mirrored = _train(tmp_path, data_dir, f"mirrored{replicas}",
+                    "--strategy=mirrored", f"--num_cpu_devices={replicas}")
+  assert artifacts.checkpoint_step(mirrored) == STEPS
+  artifacts.assert_weights_close(artifacts.model_weights(mirrored),
+                                 artifacts.model_weights(reference),
+                                 rtol=1e-5)
+  curve = artifacts.scalars(f"{mirrored}/train", "loss")
+  reference_curve = artifacts.scalars(f"{reference}/train", "loss")
+  assert [s for s, _ in curve] == list(range(2, STEPS + 1, 2))
+  assert [s for s, _ in curve] == [s for s, _ in reference_curve]
+  np.testing.assert_allclose([v for _, v in curve],
+                             [v for _, v in reference_curve], rtol=1e-5)
+
+
+def test_resumed_run_matches_uninterrupted(reference, tmp_path, data_dir):
+  """Stopping at step 10 and resuming trains no batch twice."""
+  model_dir = str(tmp_path / "resumed")
+  common = [f"--model_dir={model_dir}", f"--data_dir={data_dir}",
+            "--batch_size=64", "--steps_per_loop=4", "--log_every=2",
+            "--eval_every=0", "--checkpoint_every=0", "--seed=7",
+            "--noexport", "--strategy=default"]
+  run_cli(*common, "--train_steps=10")
+  proc = run_cli(*common, f"--train_steps={STEPS}")
+  assert "Resumed from" in proc.stderr and "at step 10" in proc.stderr
+  assert artifacts.checkpoint_step(model_dir) == STEPS
+  artifacts.assert_weights_close(artifacts.model_weights(model_dir),
+                                 artifacts.model_weights(reference),
+                                 rtol=1e-5)

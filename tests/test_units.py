@@ -1,0 +1,117 @@
+"""In-process unit tests: config validation, auto strategy choice, the
+global-batch invariant of the input pipeline, and the model zoo."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import models
+from tfdist import config as config_lib
+from tfdist import data
+from tfdist import strategies
+from tfdist.errors import ConfigError
+
+
+def test_config_rejects_bad_values_naming_them():
+  with pytest.raises(ConfigError, match="Received: batch_size=0"):
+    config_lib.Config(model_dir="/tmp/x", batch_size=0)
+  with pytest.raises(ConfigError, match="Unrecognized strategy: 'warp'"):
+    config_lib.Config(model_dir="/tmp/x", strategy="warp")
+  with pytest.raises(ConfigError, match="profile_steps=5,5"):
+    config_lib.Config(model_dir="/tmp/x", profile_steps=(5, 5))
+  with pytest.raises(ConfigError, match="model_dir is required"):
+    config_lib.Config(model_dir="")
+  with pytest.raises(TypeError):
+    config_lib.Config("/tmp/x")  # Keyword-only.
+
+
+def test_config_is_frozen():
+  config = config_lib.Config(model_dir="/tmp/x")
+  with pytest.raises(AttributeError):
+    config.batch_size = 3
+
+
+@pytest.mark.parametrize("tf_config,gpus,cpus,expected", [
+    ({"cluster": {"chief": ["a:1"], "worker": ["b:1"], "ps": ["c:1"]}}, 0, 1,
+     "parameter_server"),
+    ({"cluster": {"worker": ["a:1", "b:1"]}}, 0, 1, "multi_worker_mirrored"),
+    ({"cluster": {"worker": ["a:1"]}}, 0, 1, "default"),
+    (None, 2, 1, "mirrored"),
+    (None, 1, 1, "one_device"),
+    (None, 0, 4, "mirrored"),
+    (None, 0, 1, "default"),
+])
+def test_auto_choice(tf_config, gpus, cpus, expected):
+  name, reason = strategies.choose_auto(tf_config=tf_config, num_gpus=gpus,
+                                        num_cpu_devices=cpus)
+  assert name == expected and reason
+
+
+def _numbers_dataset(n=1000):
+  return data.Dataset(
+      name="numbers", input_shape=(1,), num_classes=2, num_test_examples=37,
+      train_source=lambda: tf.data.Dataset.range(n).map(
+          lambda i: (tf.cast(tf.reshape(i, [1]), tf.float32),
+                     tf.cast(i % 2, tf.int32))),
+      test_source=lambda: tf.data.Dataset.range(37).map(
+          lambda i: (tf.cast(tf.reshape(i, [1]), tf.float32),
+                     tf.cast(i % 2, tf.int32))))
+
+
+def _global_batches(input_fn, hosts, replicas, steps):
+  """Reassembles global batches from every host's per-replica batches."""
+  per_host_replicas = replicas // hosts
+  streams = []
+  for host in range(hosts):
+    context = tf.distribute.InputContext(num_input_pipelines=hosts,
+                                         input_pipeline_id=host,
+                                         num_replicas_in_sync=replicas)
+    batches = list(input_fn(context).take(steps * per_host_replicas))
+    streams.append(batches)
+  result = []
+  for step in range(steps):
+    parts = [b[0].numpy().ravel() for host in range(hosts) for b in
+             streams[host][step * per_host_replicas:
+                           (step + 1) * per_host_replicas]]
+    result.append(np.concatenate(parts))
+  return result
+
+
+@pytest.mark.parametrize("hosts,replicas", [(1, 2), (1, 4), (2, 2), (2, 4)])
+def test_global_batches_do_not_depend_on_topology(hosts, replicas):
+  dataset = _numbers_dataset()
+  fn = lambda start: data.train_input_fn(  # noqa: E731
+      dataset, global_batch_size=16, seed=3, start_step=start)
+  single = _global_batches(fn(0), 1, 1, 6)
+  split = _global_batches(fn(0), hosts, replicas, 6)
+  for a, b in zip(single, split):
+    np.testing.assert_array_equal(a, b)
+  resumed = _global_batches(fn(4), hosts, replicas, 2)
+  for a, b in zip(single[4:], resumed):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_eval_counts_each_example_once(replicas):
+  dataset = _numbers_dataset()
+  steps = data.eval_steps(dataset, global_batch_size=8)
+  assert steps == 5
+  context = tf.distribute.InputContext(num_replicas_in_sync=replicas)
+  seen, weight = [], 0.0
+  for images, _, weights in data.eval_input_fn(
+      dataset, global_batch_size=8)(context).take(steps * replicas):
+    seen.extend(images.numpy().ravel()[weights.numpy() > 0])
+    weight += weights.numpy().sum()
+  assert sorted(seen) == list(range(37)) and weight == 37
+
+
+@pytest.mark.parametrize("name", models.names())
+def test_models_build_and_predict(name):
+  model = models.build(name, input_shape=(8, 8, 1), num_classes=10)
+  logits = model(tf.zeros([3, 8, 8, 1]), training=False)
+  assert logits.shape == (3, 10) and logits.dtype == tf.float32
+
+
+def test_unknown_model_lists_valid_names():
+  with pytest.raises(ConfigError, match="Valid: mlp, cnn"):
+    models.build("nope", input_shape=(8, 8, 1), num_classes=10)
