@@ -7,6 +7,7 @@ from tfdist.errors import ConfigError
 # name -> (module, builder). Modules load lazily so the CLI starts fast.
 _REGISTRY = {
     "mlp": ("models.mlp", "mlp"),
+    "mlp_wide": ("models.mlp", "mlp_wide"),
     "cnn": ("models.cnn", "cnn"),
     "resnet20": ("models.resnet", "resnet20"),
     "resnet56": ("models.resnet", "resnet56"),

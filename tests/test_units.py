@@ -47,9 +47,10 @@ def test_auto_choice(tf_config, gpus, cpus, expected):
   assert name == expected and reason
 
 
-def _numbers_dataset(n=1000):
+def _numbers_dataset(n=100):
   return data.Dataset(
-      name="numbers", input_shape=(1,), num_classes=2, num_test_examples=37,
+      name="numbers", input_shape=(1,), num_classes=2,
+      num_train_examples=n, num_test_examples=37,
       train_source=lambda: tf.data.Dataset.range(n).map(
           lambda i: (tf.cast(tf.reshape(i, [1]), tf.float32),
                      tf.cast(i % 2, tf.int32))),
@@ -82,12 +83,17 @@ def test_global_batches_do_not_depend_on_topology(hosts, replicas):
   dataset = _numbers_dataset()
   fn = lambda start: data.train_input_fn(  # noqa: E731
       dataset, global_batch_size=16, seed=3, start_step=start)
-  single = _global_batches(fn(0), 1, 1, 6)
-  split = _global_batches(fn(0), hosts, replicas, 6)
+  single = _global_batches(fn(0), 1, 1, 8)
+  # Batches cross the epoch boundary (100 examples) and every epoch is a
+  # fresh permutation.
+  assert sorted(np.concatenate(single)[:100]) == list(range(100))
+  assert not np.array_equal(np.concatenate(single)[:16],
+                            np.concatenate(single)[100:116])
+  split = _global_batches(fn(0), hosts, replicas, 8)
   for a, b in zip(single, split):
     np.testing.assert_array_equal(a, b)
-  resumed = _global_batches(fn(4), hosts, replicas, 2)
-  for a, b in zip(single[4:], resumed):
+  resumed = _global_batches(fn(5), hosts, replicas, 3)
+  for a, b in zip(single[5:], resumed, strict=True):
     np.testing.assert_array_equal(a, b)
 
 
@@ -113,5 +119,5 @@ def test_models_build_and_predict(name):
 
 
 def test_unknown_model_lists_valid_names():
-  with pytest.raises(ConfigError, match="Valid: mlp, cnn"):
+  with pytest.raises(ConfigError, match="Valid: mlp, mlp_wide, cnn"):
     models.build("nope", input_shape=(8, 8, 1), num_classes=10)

@@ -57,6 +57,7 @@ class Config:
   synthetic_shape: Tuple[int, ...] = (8, 8, 1)
   synthetic_classes: int = 10
   export: bool = True
+  jit_compile: bool = False
 
   def __post_init__(self):
     _require(bool(self.model_dir), "--model_dir is required.")

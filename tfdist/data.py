@@ -19,6 +19,7 @@ from tfdist.errors import ConfigError, TfdistError
 
 SHUFFLE_BUFFER = 10_000
 SYNTHETIC_EVAL_STEPS = 10
+_FOREVER = 2**62
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Dataset:
   name: str
   input_shape: Tuple[int, ...]
   num_classes: int
+  num_train_examples: int
   num_test_examples: Optional[int]  # None: infinite (synthetic).
   train_source: Callable[[], tf.data.Dataset]
   test_source: Callable[[], tf.data.Dataset]
@@ -54,18 +56,20 @@ def _from_builder(builder):
   return Dataset(
       name=builder.name, input_shape=tuple(features["image"].shape),
       num_classes=features["label"].num_classes,
+      num_train_examples=splits["train"].num_examples,
       num_test_examples=splits[test_split].num_examples,
       train_source=source("train"), test_source=source(test_split))
 
 
-def _synthetic(shape, num_classes, seed):
+def _synthetic(shape, num_classes, seed, size=1024):
   def source():
-    images = tf.random.stateless_uniform((1024,) + tuple(shape), (seed, 1))
-    labels = tf.random.stateless_uniform((1024,), (seed, 2), maxval=num_classes,
+    images = tf.random.stateless_uniform((size,) + tuple(shape), (seed, 1))
+    labels = tf.random.stateless_uniform((size,), (seed, 2), maxval=num_classes,
                                          dtype=tf.int32)
     return tf.data.Dataset.from_tensor_slices((images, labels)).cache()
   return Dataset(name="synthetic", input_shape=tuple(shape),
-                 num_classes=num_classes, num_test_examples=None,
+                 num_classes=num_classes, num_train_examples=size,
+                 num_test_examples=None,
                  train_source=source, test_source=source)
 
 
@@ -97,7 +101,7 @@ def load(config) -> Dataset:
   return _from_builder(_catalog_builder(config.dataset, data_dir))
 
 
-def _host_slice(dataset, context, per_host, skip_batches=0):
+def _host_slice(dataset, context, per_host, finish_batch):
   """Cuts the global stream into this host's per-replica batches.
 
   Global batch k is the same examples whatever the number of hosts and
@@ -107,13 +111,32 @@ def _host_slice(dataset, context, per_host, skip_batches=0):
       per_host * context.num_input_pipelines)
   hosts = context.num_input_pipelines
   dataset = dataset.batch(per_host, drop_remainder=True)
-  dataset = dataset.skip(skip_batches * hosts)
   dataset = dataset.shard(hosts, context.input_pipeline_id)
-  return dataset.rebatch(per_replica).prefetch(tf.data.AUTOTUNE)
+  dataset = dataset.rebatch(per_replica)
+  # Per-batch, not per-example, maps: a per-example map costs ~20x here.
+  return dataset.map(finish_batch, num_parallel_calls=tf.data.AUTOTUNE,
+                     deterministic=True).prefetch(tf.data.AUTOTUNE)
 
 
-def _with_weights(dataset, weight=1.0):
-  return dataset.map(lambda x, y: (x, y, tf.constant(weight, tf.float32)))
+def _unit_weights(images, labels):
+  return images, labels, tf.ones_like(labels, tf.float32)
+
+
+def _example_stream(dataset, seed, start_example):
+  """Epoch after epoch, each shuffled with its own seed, from an example.
+
+  Jumping to an epoch is free, so resuming costs at most one epoch of
+  skipping however long the run already was.
+  """
+  first_epoch, offset = divmod(start_example, dataset.num_train_examples)
+  base = dataset.train_source()
+  buffer = min(dataset.num_train_examples, SHUFFLE_BUFFER)
+
+  def one_epoch(epoch):
+    return base.shuffle(buffer, seed=seed * 1_000_003 + epoch)
+
+  epochs = tf.data.Dataset.range(first_epoch, _FOREVER)
+  return epochs.flat_map(one_epoch).skip(offset)
 
 
 def train_input_fn(dataset: Dataset, *, global_batch_size, seed, start_step=0):
@@ -124,9 +147,8 @@ def train_input_fn(dataset: Dataset, *, global_batch_size, seed, start_step=0):
   """
   def input_fn(context):
     per_host = global_batch_size // context.num_input_pipelines
-    source = dataset.train_source().shuffle(
-        SHUFFLE_BUFFER, seed=seed, reshuffle_each_iteration=True).repeat()
-    return _host_slice(_with_weights(source), context, per_host, start_step)
+    stream = _example_stream(dataset, seed, start_step * global_batch_size)
+    return _host_slice(stream, context, per_host, _unit_weights)
   return input_fn
 
 
@@ -140,15 +162,21 @@ def eval_steps(dataset: Dataset, *, global_batch_size, requested=0):
 
 def eval_input_fn(dataset: Dataset, *, global_batch_size):
   """Pads the test split with weight-0 examples to whole global batches."""
+  num_real = dataset.num_test_examples
+
+  def real_weights(indices, batch):
+    images, labels = batch
+    return images, labels, tf.cast(indices < num_real, tf.float32)
+
   def input_fn(context):
     per_host = global_batch_size // context.num_input_pipelines
-    source = _with_weights(dataset.test_source())
-    if dataset.num_test_examples is None:
-      return _host_slice(source.repeat(), context, per_host)
-    padding = (-dataset.num_test_examples) % global_batch_size
+    source = dataset.test_source()
+    if num_real is None:
+      return _host_slice(source.repeat(), context, per_host, _unit_weights)
+    padding = (-num_real) % global_batch_size
     blank = tf.data.Dataset.from_tensors(
         (tf.zeros(dataset.input_shape), tf.constant(0, tf.int32))).repeat(
             padding)
-    return _host_slice(source.concatenate(_with_weights(blank, 0.0)),
-                       context, per_host)
+    return _host_slice(source.concatenate(blank).enumerate(), context,
+                       per_host, real_weights)
   return input_fn

@@ -25,23 +25,31 @@ class LoopFunctions:
   """Builds the train and eval loops for one model on one strategy."""
 
   def __init__(self, *, strategy, model, optimizer, global_batch_size,
-               steps_per_loop, global_step):
+               steps_per_loop, global_step, jit_compile=False):
     self._strategy = strategy
     self._model = model
     self._optimizer = optimizer
     self._global_batch_size = global_batch_size
     self._steps_per_loop = steps_per_loop
     self._global_step = global_step
+    # XLA compiles a replica's forward and backward pass. The optimizer
+    # update stays outside: under a multi-device strategy it all-reduces
+    # across devices, which XLA cannot place.
+    self._gradients = tf.function(self._forward_backward,
+                                  jit_compile=jit_compile)
+    self._eval_step_fn = tf.function(self._eval_step, jit_compile=jit_compile)
     self.train_loop = tf.function(self._train_loop)
     self.eval_loop = tf.function(self._eval_loop)
 
-  def _zeros(self):
+  def _train_zeros(self):
     return {"step_loss": tf.zeros([self._steps_per_loop]),
-            "correct": tf.zeros([]), "examples": tf.zeros([]),
+            "correct": tf.zeros([])}
+
+  def _eval_zeros(self):
+    return {"correct": tf.zeros([]), "examples": tf.zeros([]),
             "loss_sum": tf.zeros([])}
 
-  def _train_step(self, batch, sums, index):
-    images, labels, weights = batch
+  def _forward_backward(self, images, labels, weights):
     model = self._model
     with tf.GradientTape() as tape:
       logits = model(images, training=True)
@@ -51,14 +59,17 @@ class LoopFunctions:
       if model.losses:
         loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
       scaled = self._optimizer.scale_loss(loss)
-    grads = tape.gradient(scaled, model.trainable_variables)
-    self._optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss, logits, tape.gradient(scaled, model.trainable_variables)
+
+  def _train_step(self, batch, sums, index):
+    images, labels, weights = batch
+    loss, logits, grads = self._gradients(images, labels, weights)
+    variables = self._model.trainable_variables
+    self._optimizer.apply_gradients(zip(grads, variables))
     return {
         "step_loss": tf.tensor_scatter_nd_add(sums["step_loss"], [[index]],
                                               [loss]),
         "correct": sums["correct"] + _correct(labels, logits, weights),
-        "examples": sums["examples"] + tf.reduce_sum(weights),
-        "loss_sum": sums["loss_sum"],
     }
 
   def _eval_step(self, batch, sums, index):
@@ -67,24 +78,25 @@ class LoopFunctions:
     logits = self._model(images, training=False)
     loss = tf.reduce_sum(_per_example_loss(labels, logits) * weights)
     return {
-        "step_loss": sums["step_loss"],
         "correct": sums["correct"] + _correct(labels, logits, weights),
         "examples": sums["examples"] + tf.reduce_sum(weights),
         "loss_sum": sums["loss_sum"] + loss,
     }
 
-  def _run_loop(self, step_fn, iterator, num_steps):
+  def _run_loop(self, step_fn, zeros_fn, iterator, num_steps):
     run = self._strategy.run
-    sums = run(self._zeros)
+    sums = run(zeros_fn)
     for index in tf.range(num_steps):
       sums = run(step_fn, args=(next(iterator), sums, index))
     return self._strategy.reduce(SUM, sums, axis=None)
 
   def _train_loop(self, iterator, num_steps):
-    sums = self._run_loop(self._train_step, iterator, num_steps)
+    sums = self._run_loop(self._train_step, self._train_zeros, iterator,
+                          num_steps)
     # assign_add is atomic, so the step stays exact under async PS too.
     self._global_step.assign_add(tf.cast(num_steps, tf.int64))
     return sums
 
   def _eval_loop(self, iterator, num_steps):
-    return self._run_loop(self._eval_step, iterator, num_steps)
+    return self._run_loop(self._eval_step_fn, self._eval_zeros, iterator,
+                          num_steps)

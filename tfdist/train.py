@@ -47,6 +47,8 @@ flags.DEFINE_list("synthetic_shape", ["8", "8", "1"],
                   "Input shape of --dataset=synthetic.")
 flags.DEFINE_integer("synthetic_classes", 10, "Classes of synthetic data.")
 flags.DEFINE_boolean("export", True, "Export a SavedModel at the end.")
+flags.DEFINE_boolean("jit_compile", False,
+                     "XLA-compile each replica's train and eval step.")
 flags.DEFINE_boolean("native_logs", False,
                      "Show TensorFlow's native start-up logs (also on with "
                      "--verbosity>=1).")
@@ -80,7 +82,8 @@ def config_from_flags():
       mixed_precision=FLAGS.mixed_precision, seed=FLAGS.seed, tpu=FLAGS.tpu,
       profile_steps=profile or None,
       synthetic_shape=_int_tuple("synthetic_shape", FLAGS.synthetic_shape),
-      synthetic_classes=FLAGS.synthetic_classes, export=FLAGS.export)
+      synthetic_classes=FLAGS.synthetic_classes, export=FLAGS.export,
+      jit_compile=FLAGS.jit_compile)
 
 
 def _fail(message, exit_code=2):

@@ -34,7 +34,6 @@ class RunResult:
   step: int
   eval_metrics: dict
   train_metrics: dict
-  step_losses: list
   checkpoint: Optional[str]
   export_dir: Optional[str]
   seconds: float
@@ -48,6 +47,17 @@ def check_batch_size(global_batch_size, num_replicas):
         f"{num_replicas} replicas")
 
 
+def check_jit_compile(jit_compile, strategy):
+  if not jit_compile or strategy.num_replicas_in_sync == 1:
+    return
+  devices = strategy.extended.worker_devices
+  if len(devices) > 1 and "GPU" not in devices[0].upper():
+    raise ConfigError(
+        "--jit_compile needs one device per process or GPUs: XLA places all "
+        "logical CPU devices on CPU:0. Received: jit_compile=True with "
+        f"{len(devices)} local CPU replicas")
+
+
 def _next_multiple(step, every):
   return (step // every + 1) * every
 
@@ -55,23 +65,23 @@ def _next_multiple(step, every):
 class _Meter:
   """Running train metrics between two log lines."""
 
-  def __init__(self, now):
+  def __init__(self, now, global_batch_size):
+    self._global_batch_size = global_batch_size
     self.reset(now)
 
   def reset(self, now):
-    self.start, self.steps, self.loss, self.correct, self.examples = (
-        now, 0, 0.0, 0.0, 0.0)
+    self.start, self.steps, self.loss, self.correct = now, 0, 0.0, 0.0
 
   def add(self, sums, num_steps):
     self.steps += num_steps
     self.loss += float(np.sum(sums["step_loss"][:num_steps]))
     self.correct += float(sums["correct"])
-    self.examples += float(sums["examples"])
 
-  def read(self, now, global_batch_size):
+  def read(self, now):
     seconds = max(now - self.start, 1e-9)
+    global_batch_size = self._global_batch_size
     return {"loss": self.loss / max(self.steps, 1),
-            "accuracy": self.correct / max(self.examples, 1.0),
+            "accuracy": self.correct / max(self.steps * global_batch_size, 1),
             "steps_per_sec": self.steps / seconds,
             "examples_per_sec": self.steps * global_batch_size / seconds}
 
@@ -81,12 +91,20 @@ class Trainer:
 
   def __init__(self, *, config, strategy_info, dataset, write_dir=None):
     check_batch_size(config.batch_size, strategy_info.num_replicas)
+    check_jit_compile(config.jit_compile, strategy_info.strategy)
     self._config = config
     self._info = strategy_info
     self._dataset = dataset
     self._strategy = strategy_info.strategy
     self._runner = runners.create(strategy_info)
     self._write_dir = write_dir or config.model_dir
+    self._summaries = summaries.Summaries(config.model_dir,
+                                          enabled=strategy_info.is_chief)
+    self._eval_iterations = data.eval_steps(
+        dataset, global_batch_size=config.batch_size,
+        requested=config.eval_steps)
+    self._last_checkpoint = None
+    self._iterator, self._iterator_step = None, None
     self._build()
 
   # Construction --------------------------------------------------------
@@ -110,7 +128,8 @@ class Trainer:
     self._loops = steps.LoopFunctions(
         strategy=self._strategy, model=self.model, optimizer=self.optimizer,
         global_batch_size=config.batch_size,
-        steps_per_loop=config.steps_per_loop, global_step=self.global_step)
+        steps_per_loop=config.steps_per_loop, global_step=self.global_step,
+        jit_compile=config.jit_compile)
     self._checkpoints = checkpoints.CheckpointStore(
         checkpoint=tf.train.Checkpoint(model=self.model,
                                        optimizer=self.optimizer,
@@ -127,33 +146,35 @@ class Trainer:
     """Resumes from model_dir if it can, then trains to train_steps."""
     config = self._config
     started = time.perf_counter()
-    restored = self._checkpoints.restore()
-    step = int(self.global_step.numpy())
-    if restored:
-      logging.info("Resumed from %s at step %d.", restored, step)
-      # The checkpoint holds the old rate; the flag given now wins.
-      self.optimizer.learning_rate.assign(config.learning_rate)
-    self._summaries = summaries.Summaries(
-        config.model_dir, enabled=self._info.is_chief)
+    self.restore()
     self._summaries.hparams(config.to_dict())
-    self._eval_iterations = data.eval_steps(
-        self._dataset, global_batch_size=config.batch_size,
-        requested=config.eval_steps)
-    history = []
     train_metrics = {}
-    last_checkpoint = restored
     try:
-      if step < config.train_steps:
-        step, train_metrics, last_checkpoint = self._train(
-            step, history, last_checkpoint)
-      eval_metrics = self.evaluate(step)
+      if self.step < config.train_steps:
+        train_metrics = self.train(config.train_steps)
+        self._save(self.step)
+      eval_metrics = self.evaluate(self.step)
       export_dir = self._export()
     finally:
       self._summaries.close()
-    return RunResult(step=step, eval_metrics=eval_metrics,
-                     train_metrics=train_metrics, step_losses=history,
-                     checkpoint=last_checkpoint, export_dir=export_dir,
+    return RunResult(step=self.step, eval_metrics=eval_metrics,
+                     train_metrics=train_metrics,
+                     checkpoint=self._last_checkpoint, export_dir=export_dir,
                      seconds=time.perf_counter() - started)
+
+  @property
+  def step(self):
+    return int(self.global_step.numpy())
+
+  def restore(self):
+    """Restores the newest usable checkpoint in model_dir, if any."""
+    restored = self._checkpoints.restore()
+    if restored:
+      logging.info("Resumed from %s at step %d.", restored, self.step)
+      # The checkpoint holds the old rate; the flag given now wins.
+      self.optimizer.learning_rate.assign(self._config.learning_rate)
+    self._last_checkpoint = restored
+    return restored
 
   def evaluate(self, step):
     """One pass over the test split (or eval_steps batches), exact."""
@@ -185,38 +206,50 @@ class Trainer:
       ends.extend(s for s in config.profile_steps if s > step)
     return min(ends)
 
-  def _train(self, step, history, last_checkpoint):
+  def train(self, until_step):
+    """Trains from the current step to `until_step`; returns the metrics of
+    the last log interval. Evaluates and checkpoints on the way."""
     config = self._config
-    iterator = self._runner.make_iterator(data.train_input_fn(
-        self._dataset, global_batch_size=config.batch_size, seed=config.seed,
-        start_step=step))
+    step = self.step
+    iterator = self._train_iterator(step)
     logging.info("Training %s on %s with %s: step %d -> %d, global batch "
                  "%d over %d replica(s).", config.model, self._dataset.name,
-                 self._info.name, step, config.train_steps,
-                 config.batch_size, self._info.num_replicas)
-    meter = _Meter(time.perf_counter())
+                 self._info.name, step, until_step, config.batch_size,
+                 self._info.num_replicas)
+    meter = _Meter(time.perf_counter(), config.batch_size)
     first_step, loop_started = step, time.perf_counter()
     metrics = {}
-    while step < config.train_steps:
+    while step < until_step:
       self._profile(step)
-      num_steps = self._boundaries(step) - step
+      num_steps = min(self._boundaries(step), until_step) - step
       sums = self._runner.run(self._loops.train_loop, iterator, num_steps)
-      self._check_finite(sums["step_loss"][:num_steps], step, last_checkpoint)
-      history.extend(float(x) for x in sums["step_loss"][:num_steps])
+      losses = sums["step_loss"][:num_steps]
+      self._check_finite(losses, step)
       meter.add(sums, num_steps)
       step += num_steps
-      if step % config.log_every == 0 or step == config.train_steps:
-        metrics = meter.read(time.perf_counter(), config.batch_size)
-        self._log_progress(step, metrics, first_step, loop_started)
+      self._iterator_step = step
+      if step % config.log_every == 0 or step == until_step:
+        metrics = meter.read(time.perf_counter())
+        self._log_progress(step, until_step, metrics, first_step,
+                           loop_started)
         meter.reset(time.perf_counter())
-      if step < config.train_steps:
+      if step < until_step:
         if config.eval_every and step % config.eval_every == 0:
           self.evaluate(step)
           meter.reset(time.perf_counter())
         if config.checkpoint_every and step % config.checkpoint_every == 0:
-          last_checkpoint = self._save(step)
+          self._save(step)
     self._profile(step)
-    return step, metrics, self._save(step)
+    return metrics
+
+  def _train_iterator(self, step):
+    """The input iterator positioned at `step`, reused across train calls."""
+    if self._iterator is None or self._iterator_step != step:
+      self._iterator = self._runner.make_iterator(data.train_input_fn(
+          self._dataset, global_batch_size=self._config.batch_size,
+          seed=self._config.seed, start_step=step))
+      self._iterator_step = step
+    return self._iterator
 
   def _profile(self, step):
     if not self._config.profile_steps:
@@ -227,21 +260,19 @@ class Trainer:
     elif step >= end:
       self._summaries.stop_profile()
 
-  def _check_finite(self, losses, step, last_checkpoint):
+  def _check_finite(self, losses, step):
     bad = np.flatnonzero(~np.isfinite(losses))
     if bad.size:
       raise NonFiniteLossError(
           f"loss became {losses[bad[0]]} at step {step + bad[0] + 1}; "
           f"training stopped. Last good checkpoint kept: "
-          f"{last_checkpoint or 'none'}.")
+          f"{self._last_checkpoint or 'none'}.")
 
   def _save(self, step):
-    path = self._checkpoints.save(step)
-    logging.info("Saved checkpoint %s.", path)
-    return path
+    self._last_checkpoint = self._checkpoints.save(step)
+    logging.info("Saved checkpoint %s.", self._last_checkpoint)
 
-  def _log_progress(self, step, metrics, first_step, loop_started):
-    total = self._config.train_steps
+  def _log_progress(self, step, total, metrics, first_step, loop_started):
     elapsed = time.perf_counter() - loop_started
     rate = (step - first_step) / max(elapsed, 1e-9)
     eta = datetime.timedelta(seconds=round((total - step) / max(rate, 1e-9)))
