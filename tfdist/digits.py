@@ -3,6 +3,9 @@
 The data ships inside scikit-learn, so preparing it needs no network.
 """
 
+import contextlib
+import io
+
 import numpy as np
 import tensorflow_datasets as tfds
 
@@ -53,6 +56,8 @@ class Digits(tfds.core.GeneratorBasedBuilder):
 def prepare(data_dir):
   """Prepares `digits` in `data_dir` (a no-op once done) and returns it."""
   builder = Digits(data_dir=data_dir)
-  builder.download_and_prepare(
-      download_config=tfds.download.DownloadConfig(num_shards=NUM_SHARDS))
+  # tfds prints "Downloading ..." to stdout; nothing is downloaded here.
+  with contextlib.redirect_stdout(io.StringIO()):
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(num_shards=NUM_SHARDS))
   return builder
