@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import models
+from tfdist import cluster
 from tfdist import config as config_lib
 from tfdist import data
 from tfdist import strategies
@@ -32,17 +33,20 @@ def test_config_is_frozen():
 
 
 @pytest.mark.parametrize("tf_config,gpus,cpus,expected", [
-    ({"cluster": {"chief": ["a:1"], "worker": ["b:1"], "ps": ["c:1"]}}, 0, 1,
-     "parameter_server"),
-    ({"cluster": {"worker": ["a:1", "b:1"]}}, 0, 1, "multi_worker_mirrored"),
-    ({"cluster": {"worker": ["a:1"]}}, 0, 1, "default"),
+    ({"cluster": {"chief": ["a:1"], "worker": ["b:1"], "ps": ["c:1"]},
+      "task": {"type": "chief", "index": 0}}, 0, 1, "parameter_server"),
+    ({"cluster": {"worker": ["a:1", "b:1"]},
+      "task": {"type": "worker", "index": 1}}, 0, 1, "multi_worker_mirrored"),
+    ({"cluster": {"worker": ["a:1"]},
+      "task": {"type": "worker", "index": 0}}, 0, 1, "default"),
     (None, 2, 1, "mirrored"),
     (None, 1, 1, "one_device"),
     (None, 0, 4, "mirrored"),
     (None, 0, 1, "default"),
 ])
 def test_auto_choice(tf_config, gpus, cpus, expected):
-  name, reason = strategies.choose_auto(tf_config=tf_config, num_gpus=gpus,
+  task = cluster.parse_tf_config(tf_config) if tf_config else None
+  name, reason = strategies.choose_auto(tf_config=task, num_gpus=gpus,
                                         num_cpu_devices=cpus)
   assert name == expected and reason
 

@@ -9,6 +9,8 @@ STRATEGIES = ("auto", "default", "one_device", "mirrored",
               "multi_worker_mirrored", "parameter_server", "tpu")
 MIXED_PRECISION = ("none", "mixed_float16", "mixed_bfloat16")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "rmsprop")
+ALL_REDUCE_ALGS = ("auto", "ring", "nccl")
+ALLREDUCE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _require(ok, message):
@@ -58,17 +60,25 @@ class Config:
   synthetic_classes: int = 10
   export: bool = True
   jit_compile: bool = False
+  all_reduce_alg: str = "auto"
+  bytes_per_pack: int = 0
+  collective_timeout: float = 0.0
+  allreduce_dtype: str = "float32"
+  check_replicas_every: int = 0
 
   def __post_init__(self):
     _require(bool(self.model_dir), "--model_dir is required.")
     _choice("strategy", self.strategy, STRATEGIES)
     _choice("optimizer", self.optimizer, OPTIMIZERS)
     _choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
+    _choice("all_reduce_alg", self.all_reduce_alg, ALL_REDUCE_ALGS)
+    _choice("allreduce_dtype", self.allreduce_dtype, ALLREDUCE_DTYPES)
     for name in ("batch_size", "train_steps", "steps_per_loop", "log_every",
                  "num_cpu_devices", "keep_checkpoints", "synthetic_classes"):
       _positive(name, getattr(self, name))
     for name in ("eval_every", "eval_steps", "checkpoint_every",
-                 "num_replicas"):
+                 "num_replicas", "bytes_per_pack", "collective_timeout",
+                 "check_replicas_every"):
       _non_negative(name, getattr(self, name))
     _positive("learning_rate", self.learning_rate)
     _require(all(d > 0 for d in self.synthetic_shape),

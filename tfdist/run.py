@@ -1,6 +1,7 @@
 """Runs one training job from a Config: devices, strategy, data, Trainer."""
 
 import os
+import shutil
 import tempfile
 
 from absl import logging
@@ -49,9 +50,16 @@ def run(config, *, tf_config=None, show_native_logs=False):
   from tfdist import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
   trainer_lib.check_batch_size(config.batch_size, info.num_replicas)
   dataset = data.load(config)
-  trainer = trainer_lib.Trainer(config=config, strategy_info=info,
-                                dataset=dataset)
-  return trainer.run()
+  # Non-chief workers write to a scratch dir that is removed afterwards.
+  write_dir = (config.model_dir if info.is_chief else
+               tempfile.mkdtemp(prefix=f"tfdist-worker{info.worker_index}-"))
+  try:
+    trainer = trainer_lib.Trainer(config=config, strategy_info=info,
+                                  dataset=dataset, write_dir=write_dir)
+    return trainer.run()
+  finally:
+    if write_dir != config.model_dir:
+      shutil.rmtree(write_dir, ignore_errors=True)
 
 
 def summary_lines(config, result):

@@ -6,13 +6,24 @@ function its input and bring its results back to the host as numpy.
 
 import tensorflow as tf
 
+from tfdist import preemption
+
 
 class SyncRunner:
   """Strategies whose loop runs in this process: default, one_device,
   mirrored, tpu and multi_worker_mirrored."""
 
-  def __init__(self, strategy):
+  def __init__(self, strategy, *, preemptible=True):
     self._strategy = strategy
+    self._preemptible = preemptible
+
+  def preemption_guard(self, *, save_fn, step_fn):
+    """Saves and exits on SIGTERM, at the same step on every worker."""
+    if not self._preemptible:
+      return preemption.NoGuard()
+    return preemption.PreemptionGuard(
+        cluster_resolver=getattr(self._strategy, "cluster_resolver", None),
+        save_fn=save_fn, step_fn=step_fn)
 
   def make_iterator(self, input_fn):
     return iter(self._strategy.distribute_datasets_from_function(input_fn))
@@ -26,6 +37,7 @@ def create(strategy_info):
   """Returns the runner for `strategy_info.name`."""
   if strategy_info.name in ("default", "one_device", "mirrored", "tpu",
                             "multi_worker_mirrored"):
-    return SyncRunner(strategy_info.strategy)
+    return SyncRunner(strategy_info.strategy,
+                      preemptible=strategy_info.name != "tpu")
   raise ValueError(f"Unrecognized strategy for a runner: "
                    f"{strategy_info.name!r}")

@@ -1,9 +1,8 @@
 """Strategy factory: maps a strategy name to a tf.distribute.Strategy, once."""
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Tuple
 
-from absl import logging
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
@@ -47,7 +46,7 @@ def configure_cpu_devices(num_devices):
 def choose_auto(*, tf_config, num_gpus, num_cpu_devices, num_tpus=0
                 ) -> Tuple[str, str]:
   """Returns (strategy name, reason) for --strategy=auto. Pure."""
-  cluster = (tf_config or {}).get("cluster", {})
+  cluster = tf_config.cluster if tf_config else {}
   if cluster.get("ps"):
     return "parameter_server", "TF_CONFIG lists ps tasks"
   trainers = len(cluster.get("chief", [])) + len(cluster.get("worker", []))
@@ -97,9 +96,42 @@ def _not_yet(name):
                     "of tfdist.")
 
 
-def create_strategy(config, *, tf_config: Optional[dict] = None
-                    ) -> StrategyInfo:
-  """Builds the strategy named by `config.strategy` (resolving `auto`)."""
+_IMPLEMENTATIONS = {
+    "auto": "AUTO", "ring": "RING", "nccl": "NCCL",
+}
+
+
+def cluster_resolver(task):
+  """A resolver over the training cluster of a parsed TF_CONFIG.
+
+  Built from our parsed TaskConfig rather than the environment, and without
+  the evaluator, which never joins training.
+  """
+  return tf.distribute.cluster_resolver.SimpleClusterResolver(
+      tf.train.ClusterSpec(task.cluster_as_lists()),
+      task_type=task.task_type, task_id=task.task_index, rpc_layer="grpc")
+
+
+def _multi_worker(config, task):
+  if task is not None and task.task_type not in ("chief", "worker"):
+    raise ConfigError(f"--strategy=multi_worker_mirrored runs chief and "
+                      f"worker tasks. Received: task type {task.task_type!r}")
+  implementation = getattr(tf.distribute.experimental.CommunicationImplementation,
+                           _IMPLEMENTATIONS[config.all_reduce_alg])
+  options = tf.distribute.experimental.CommunicationOptions(
+      bytes_per_pack=config.bytes_per_pack,
+      timeout_seconds=config.collective_timeout or None,
+      implementation=implementation)
+  resolver = cluster_resolver(task) if task else None
+  return tf.distribute.MultiWorkerMirroredStrategy(
+      cluster_resolver=resolver, communication_options=options)
+
+
+def create_strategy(config, *, tf_config=None) -> StrategyInfo:
+  """Builds the strategy named by `config.strategy` (resolving `auto`).
+
+  `tf_config` is a parsed `tfdist.cluster.TaskConfig`, or None.
+  """
   name, reason = config.strategy, "requested with --strategy"
   if name == "auto":
     name, reason = choose_auto(
@@ -115,10 +147,22 @@ def create_strategy(config, *, tf_config: Optional[dict] = None
         _mirrored_devices(config.num_replicas))
   elif name == "tpu":
     strategy = _tpu_strategy(config.tpu)
-  elif name in ("multi_worker_mirrored", "parameter_server"):
+  elif name == "multi_worker_mirrored":
+    strategy = _multi_worker(config, tf_config)
+  elif name == "parameter_server":
     _not_yet(name)
   else:
     raise ConfigError(f"Unrecognized strategy: {name!r}")
-  logging.info("Strategy: %s (%s), %d replica(s).", name, reason,
-               strategy.num_replicas_in_sync)
-  return StrategyInfo(strategy=strategy, name=name, reason=reason)
+  multi_worker = name == "multi_worker_mirrored" and tf_config is not None
+  return StrategyInfo(
+      strategy=strategy, name=name, reason=reason,
+      is_chief=tf_config.is_chief if multi_worker else True,
+      worker_index=_trainer_index(tf_config) if multi_worker else 0,
+      num_workers=tf_config.num_trainers if multi_worker else 1)
+
+
+def _trainer_index(task):
+  """Chief first, then workers: the order MWMS numbers them."""
+  if task.task_type == "chief":
+    return 0
+  return task.task_index + len(task.cluster.get("chief", {}))

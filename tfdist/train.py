@@ -1,6 +1,5 @@
 """python -m tfdist.train: the CLI. The only module that reads FLAGS."""
 
-import json
 import os
 import sys
 
@@ -8,6 +7,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from tfdist import cluster
 from tfdist import config as config_lib
 from tfdist.errors import TfdistError
 
@@ -49,6 +49,19 @@ flags.DEFINE_integer("synthetic_classes", 10, "Classes of synthetic data.")
 flags.DEFINE_boolean("export", True, "Export a SavedModel at the end.")
 flags.DEFINE_boolean("jit_compile", False,
                      "XLA-compile each replica's train and eval step.")
+flags.DEFINE_enum("all_reduce_alg", "auto", config_lib.ALL_REDUCE_ALGS,
+                  "multi_worker_mirrored: collective implementation.")
+flags.DEFINE_integer("bytes_per_pack", 0,
+                     "multi_worker_mirrored: pack gradients into chunks of "
+                     "this many bytes per all-reduce; 0: one pack.")
+flags.DEFINE_float("collective_timeout", 0.0,
+                   "multi_worker_mirrored: seconds before a collective that "
+                   "a peer does not answer fails; 0: no timeout.")
+flags.DEFINE_enum("allreduce_dtype", "float32", config_lib.ALLREDUCE_DTYPES,
+                  "All-reduce gradients in this dtype (compression).")
+flags.DEFINE_integer("check_replicas_every", 0,
+                     "Every N steps, check that all replicas hold identical "
+                     "weights; 0: never.")
 flags.DEFINE_boolean("native_logs", False,
                      "Show TensorFlow's native start-up logs (also on with "
                      "--verbosity>=1).")
@@ -83,7 +96,11 @@ def config_from_flags():
       profile_steps=profile or None,
       synthetic_shape=_int_tuple("synthetic_shape", FLAGS.synthetic_shape),
       synthetic_classes=FLAGS.synthetic_classes, export=FLAGS.export,
-      jit_compile=FLAGS.jit_compile)
+      jit_compile=FLAGS.jit_compile, all_reduce_alg=FLAGS.all_reduce_alg,
+      bytes_per_pack=FLAGS.bytes_per_pack,
+      collective_timeout=FLAGS.collective_timeout,
+      allreduce_dtype=FLAGS.allreduce_dtype,
+      check_replicas_every=FLAGS.check_replicas_every)
 
 
 def _fail(message, exit_code=2):
@@ -133,22 +150,13 @@ def main(argv):
   try:
     config = config_from_flags()
     from tfdist import run  # pylint: disable=g-import-not-at-top
-    result = run.run(config, tf_config=_tf_config_from_env(),
+    result = run.run(config,
+                     tf_config=cluster.tf_config_from_env(os.environ),
                      show_native_logs=show_native)
   except TfdistError as e:
     _fail(str(e), e.exit_code)
   for line in run.summary_lines(config, result):
     print(line, flush=True)
-
-
-def _tf_config_from_env():
-  raw = os.environ.get("TF_CONFIG")
-  if not raw:
-    return None
-  try:
-    return json.loads(raw)
-  except json.JSONDecodeError as e:
-    raise TfdistError(f"TF_CONFIG is not valid JSON: {e}") from None
 
 
 def run_cli():

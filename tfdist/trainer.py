@@ -17,9 +17,11 @@ import tensorflow as tf
 
 import models
 from tfdist import checkpoints
+from tfdist import compression
 from tfdist import data
 from tfdist import export
 from tfdist import optimizers
+from tfdist import replica_check
 from tfdist import runners
 from tfdist import steps
 from tfdist import summaries
@@ -122,6 +124,7 @@ class Trainer:
       self.optimizer = optimizers.create(
           config.optimizer, learning_rate=config.learning_rate,
           mixed_precision=config.mixed_precision)
+      compression.compress_gradients(self.optimizer, config.allreduce_dtype)
       self.optimizer.build(self.model.trainable_variables)
       self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                      name="global_step")
@@ -139,6 +142,13 @@ class Trainer:
         signature=checkpoints.model_signature(
             model_name=config.model, model=self.model,
             num_classes=self._dataset.num_classes))
+    self._replica_checker = (replica_check.ReplicaChecker(
+        strategy=self._strategy, variables=self.model.weights,
+        replicas_per_worker=max(
+            self._info.num_replicas // self._info.num_workers, 1))
+                             if config.check_replicas_every else None)
+    self._guard = self._runner.preemption_guard(
+        save_fn=lambda: self._save(self.step), step_fn=lambda: self.step)
 
   # Public --------------------------------------------------------------
 
@@ -199,7 +209,8 @@ class Trainer:
     config = self._config
     ends = [step + config.steps_per_loop, config.train_steps,
             _next_multiple(step, config.log_every)]
-    for every in (config.eval_every, config.checkpoint_every):
+    for every in (config.eval_every, config.checkpoint_every,
+                  config.check_replicas_every):
       if every:
         ends.append(_next_multiple(step, every))
     if config.profile_steps:
@@ -222,7 +233,8 @@ class Trainer:
     while step < until_step:
       self._profile(step)
       num_steps = min(self._boundaries(step), until_step) - step
-      sums = self._runner.run(self._loops.train_loop, iterator, num_steps)
+      sums = self._guard.run(self._runner.run, self._loops.train_loop,
+                             iterator, num_steps)
       losses = sums["step_loss"][:num_steps]
       self._check_finite(losses, step)
       meter.add(sums, num_steps)
@@ -233,6 +245,9 @@ class Trainer:
         self._log_progress(step, until_step, metrics, first_step,
                            loop_started)
         meter.reset(time.perf_counter())
+      every = config.check_replicas_every
+      if every and (step % every == 0 or step == until_step):
+        self._replica_checker.check(step)
       if step < until_step:
         if config.eval_every and step % config.eval_every == 0:
           self.evaluate(step)
@@ -284,9 +299,11 @@ class Trainer:
             self.optimizer.learning_rate.value))})
 
   def _export(self):
-    if not (self._config.export and self._info.is_chief):
+    if not self._config.export:
       return None
-    export_dir = os.path.join(self._config.model_dir, "export")
+    # Every worker exports (saving may need collectives); only the chief's
+    # write_dir is model_dir.
+    export_dir = os.path.join(self._write_dir, "export")
     export.export_saved_model(self.model, input_shape=self._dataset.input_shape,
                               export_dir=export_dir)
     logging.info("Exported SavedModel to %s.", export_dir)

@@ -1,0 +1,55 @@
+"""SIGTERM → checkpoint → distinct exit, agreed across all workers.
+
+TF's PreemptionCheckpointHandler does the cluster-wide agreement: the worker
+that gets SIGTERM tells its peers at which loop call to stop, so every worker
+saves at the same step and none is left waiting in a collective. It is given
+a throw-away checkpoint to restore and track, so it never touches the run's
+own checkpoints (tfdist.checkpoints restores those, skipping corrupt ones).
+"""
+
+import tempfile
+
+import tensorflow as tf
+
+from tfdist.errors import TfdistError
+
+PREEMPTED_EXIT_CODE = 42
+
+
+class PreemptedError(TfdistError):
+  """Raised after the preemption checkpoint is written."""
+
+  exit_code = PREEMPTED_EXIT_CODE
+
+
+class PreemptionGuard:
+  """Runs loop calls under TF's handler; `save_fn()` writes the checkpoint."""
+
+  def __init__(self, *, cluster_resolver, save_fn, step_fn):
+    self._save_fn = save_fn
+    self._step_fn = step_fn
+    scratch = tf.train.CheckpointManager(
+        tf.train.Checkpoint(), tempfile.mkdtemp(prefix="tfdist-preempt-"),
+        max_to_keep=1)
+    self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
+        cluster_resolver, scratch,
+        termination_config=tf.distribute.experimental.TerminationConfig(
+            save_fn=self._save, exit_fn=self._exit, grace_period=0))
+
+  def _save(self, *unused_args, **unused_kwargs):
+    self._save_fn()
+
+  def _exit(self):
+    raise PreemptedError(
+        f"preempted (SIGTERM): checkpoint saved at step {self._step_fn()}; "
+        f"exiting with code {PREEMPTED_EXIT_CODE} so the launcher resumes.")
+
+  def run(self, fn, *args):
+    return self._handler.run(fn, *args)
+
+
+class NoGuard:
+  """For strategies TF's handler does not support (TPU, PS)."""
+
+  def run(self, fn, *args):
+    return fn(*args)
