@@ -28,9 +28,11 @@ class PreemptionGuard:
   def __init__(self, *, cluster_resolver, save_fn, step_fn):
     self._save_fn = save_fn
     self._step_fn = step_fn
+    # Never written to (save_fn replaces the handler's own save); removed
+    # with this object.
+    self._scratch_dir = tempfile.TemporaryDirectory(prefix="tfdist-preempt-")
     scratch = tf.train.CheckpointManager(
-        tf.train.Checkpoint(), tempfile.mkdtemp(prefix="tfdist-preempt-"),
-        max_to_keep=1)
+        tf.train.Checkpoint(), self._scratch_dir.name, max_to_keep=1)
     self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
         cluster_resolver, scratch,
         termination_config=tf.distribute.experimental.TerminationConfig(

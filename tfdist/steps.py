@@ -88,7 +88,19 @@ class LoopFunctions:
     sums = run(zeros_fn)
     for index in tf.range(num_steps):
       sums = run(step_fn, args=(next(iterator), sums, index))
-    return self._strategy.reduce(SUM, sums, axis=None)
+    return self._reduce(sums)
+
+  def _reduce(self, sums):
+    """One cross-replica reduction for all the sums: pack, reduce, unpack."""
+    names = sorted(sums)
+    packed = self._strategy.run(
+        lambda s: tf.concat([tf.reshape(s[n], [-1]) for n in names], 0),
+        args=(sums,))
+    total = self._strategy.reduce(SUM, packed, axis=None)
+    sizes = [self._steps_per_loop if n == "step_loss" else 1 for n in names]
+    parts = tf.split(total, sizes)
+    return {n: (p if n == "step_loss" else p[0]) for n, p in zip(names,
+                                                                 parts)}
 
   def _train_loop(self, iterator, num_steps):
     sums = self._run_loop(self._train_step, self._train_zeros, iterator,

@@ -27,9 +27,13 @@ flags.DEFINE_integer("flops_steps", 20, "Steps per round (wide MLP).")
 flags.DEFINE_integer("flops_batch_size", 512, "Global batch (wide MLP).")
 
 
+_SCRATCH = []  # Removed when the process exits.
+
+
 def _config(**overrides):
   from tfdist import config as config_lib
-  base = dict(model_dir=tempfile.mkdtemp(prefix="tfdist-bench-"),
+  _SCRATCH.append(tempfile.TemporaryDirectory(prefix="tfdist-bench-"))
+  base = dict(model_dir=_SCRATCH[-1].name,
               strategy="default", dataset="synthetic", train_steps=10**9,
               eval_every=0, checkpoint_every=0, log_every=10**9, export=False,
               optimizer="adam", learning_rate=1e-3)

@@ -1,0 +1,97 @@
+"""A group of task processes: start, prefix their output, stop them all."""
+
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+import time
+
+_WRITE_LOCK = threading.Lock()
+_PR_SET_PDEATHSIG = 1
+# Tasks that serve others; the job is done when the rest exit 0.
+SERVING_ROLES = ("ps", "evaluator")
+
+
+def write_line(out, text):
+  with _WRITE_LOCK:
+    out.write(text if text.endswith("\n") else text + "\n")
+    out.flush()
+
+
+def _die_with_parent():
+  """In the child: get SIGKILL if the launcher dies, so none is orphaned."""
+  try:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+  except OSError:
+    pass  # Not Linux: Job.stop() still ends every task.
+
+
+class _Task:
+
+  def __init__(self, spec):
+    self.spec = spec
+    self.name = spec.name
+    self.address = spec.address
+    self.process = None
+    self.pump = None
+
+
+class Job:
+  """Starts every task; `wait()` returns (exit code, name of failed task)."""
+
+  def __init__(self, specs, *, out, grace_seconds=30.0, poll_seconds=0.1):
+    self.tasks = [_Task(spec) for spec in specs]
+    self._out = out
+    self._grace_seconds = grace_seconds
+    self._poll_seconds = poll_seconds
+
+  def start(self):
+    for task in self.tasks:
+      task.process = subprocess.Popen(
+          task.spec.argv, env={**os.environ, **task.spec.env,
+                               "PYTHONUNBUFFERED": "1"},
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+          stdin=subprocess.DEVNULL, start_new_session=True,
+          preexec_fn=_die_with_parent)
+      task.pump = threading.Thread(target=self._pump, args=(task,),
+                                   daemon=True)
+      task.pump.start()
+
+  def _pump(self, task):
+    for raw in task.process.stdout:
+      write_line(self._out, f"{task.name} | "
+                 + raw.decode("utf-8", "replace").rstrip("\n"))
+
+  def wait(self):
+    trainers = [t for t in self.tasks if t.spec.role not in SERVING_ROLES]
+    while True:
+      for task in self.tasks:
+        code = task.process.poll()
+        if code not in (None, 0):
+          return code, task.name
+      if all(t.process.poll() == 0 for t in trainers):
+        return 0, None
+      time.sleep(self._poll_seconds)
+
+  def forward(self, signum):
+    for task in self.tasks:
+      if task.process and task.process.poll() is None:
+        task.process.send_signal(signum)
+
+  def stop(self):
+    """SIGTERM to what still runs, SIGKILL after the grace period."""
+    self.forward(signal.SIGTERM)
+    deadline = time.monotonic() + self._grace_seconds
+    for task in self.tasks:
+      if task.process is None:
+        continue
+      try:
+        task.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+      except subprocess.TimeoutExpired:
+        task.process.kill()
+        task.process.wait()
+    for task in self.tasks:
+      if task.pump:
+        task.pump.join(timeout=5)
