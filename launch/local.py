@@ -22,6 +22,7 @@ import portpicker
 
 from launch import description
 from launch import processes
+from tfdist.errors import PREEMPTED_EXIT_CODE
 
 
 def parse_args(argv):
@@ -98,7 +99,9 @@ class Launcher:
         return code if code > 0 else 1
       restarts += 1
       delay = self._args.backoff_seconds * 2 ** (restarts - 1)
-      self._log(f"{failed} exited with code {code}; restarting the job in "
+      why = ("was preempted and saved a checkpoint"
+             if code == PREEMPTED_EXIT_CODE else f"exited with code {code}")
+      self._log(f"{failed} {why}; restarting the job in "
                 f"{delay:.1f}s (restart {restarts} of "
                 f"{self._args.max_restarts}).")
       if self._sleep(delay):
@@ -117,7 +120,8 @@ class Launcher:
         self._args.cluster, addresses=addresses, module=self._args.module,
         train_args=self._args.train_args)
     self._job = processes.Job(tasks, out=self._out,
-                              grace_seconds=self._args.stop_grace_seconds)
+                              grace_seconds=self._args.stop_grace_seconds,
+                              log=self._log)
     self._job.start()
     for task in self._job.tasks:
       self._log(f"started {task.name} pid={task.process.pid} at "

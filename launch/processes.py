@@ -41,8 +41,10 @@ class _Task:
 class Job:
   """Starts every task; `wait()` returns (exit code, name of failed task)."""
 
-  def __init__(self, specs, *, out, grace_seconds=30.0, poll_seconds=0.1):
+  def __init__(self, specs, *, out, grace_seconds=30.0, poll_seconds=0.1,
+               log=lambda message: None):
     self.tasks = [_Task(spec) for spec in specs]
+    self._log = log
     self._out = out
     self._grace_seconds = grace_seconds
     self._poll_seconds = poll_seconds
@@ -82,14 +84,17 @@ class Job:
 
   def stop(self):
     """SIGTERM to what still runs, SIGKILL after the grace period."""
+    running = [t for t in self.tasks if t.process and t.process.poll() is None]
+    if running:
+      self._log(f"stopping {', '.join(t.name for t in running)} (SIGTERM, "
+                f"then SIGKILL after {self._grace_seconds:g}s)")
     self.forward(signal.SIGTERM)
     deadline = time.monotonic() + self._grace_seconds
-    for task in self.tasks:
-      if task.process is None:
-        continue
+    for task in running:
       try:
         task.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
       except subprocess.TimeoutExpired:
+        self._log(f"{task.name} did not stop; SIGKILL")
         task.process.kill()
         task.process.wait()
     for task in self.tasks:

@@ -7,13 +7,23 @@ import numpy as np
 import tensorflow as tf
 
 
+# The first trainable kernel. The checkpoint's object graph names each
+# variable by its shortest path, which for trainable weights runs through
+# the optimizer.
+FIRST_KERNEL = "optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE"
+_BOOKKEEPING = ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/")
+
+
 def model_weights(model_dir):
-  """{checkpoint key: array} for the model's variables at the latest step."""
+  """{key: array} of every variable in the latest checkpoint: the model's
+  weights, the optimizer's slots and the step (not the save counter)."""
   path = tf.train.latest_checkpoint(model_dir)
   reader = tf.train.load_checkpoint(path)
-  return {key: reader.get_tensor(key)
-          for key in reader.get_variable_to_shape_map()
-          if key.startswith("model/")}
+  weights = {key: reader.get_tensor(key)
+             for key in reader.get_variable_to_shape_map()
+             if not key.startswith(_BOOKKEEPING)}
+  assert FIRST_KERNEL in weights, sorted(weights)
+  return weights
 
 
 def checkpoint_step(model_dir):

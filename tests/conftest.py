@@ -30,3 +30,48 @@ def data_dir(tmp_path_factory):
                   "digits.prepare(sys.argv[1])", path],
                  cwd=ROOT, check=True, capture_output=True)
   return path
+
+
+def run_launcher(launcher_args, train_args, *, timeout=600, check=True):
+  """Runs `python -m launch.local LAUNCHER_ARGS -- TRAIN_ARGS`."""
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.local", *launcher_args, "--",
+       *train_args], cwd=ROOT, capture_output=True, text=True,
+      timeout=timeout)
+  if check and proc.returncode != 0:
+    raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n"
+                         f"{proc.stderr}")
+  return proc
+
+
+class LauncherProcess:
+  """A launcher run whose output is read line by line while it runs."""
+
+  def __init__(self, launcher_args, train_args):
+    self.lines = []
+    self.pids = {}
+    self.proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.local", *launcher_args, "--",
+         *train_args], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+
+  def wait_for(self, predicate, timeout=300):
+    """Reads lines until one satisfies `predicate`; returns it."""
+    import time
+    deadline = time.monotonic() + timeout
+    for line in self.proc.stdout:
+      self.lines.append(line)
+      if line.startswith("[launch] started "):
+        name, pid = line.split()[2], int(line.split("pid=")[1].split()[0])
+        self.pids[name] = pid
+      if predicate(line):
+        return line
+      if time.monotonic() > deadline:
+        break
+    raise AssertionError("never saw the expected line:\n" +
+                         "".join(self.lines[-60:]))
+
+  def finish(self, timeout=600):
+    rest, _ = self.proc.communicate(timeout=timeout)
+    self.lines.append(rest)
+    return self.proc.returncode, "".join(self.lines)

@@ -1,5 +1,9 @@
 """Errors that the CLI reports as one line, without a traceback."""
 
+# A task that saved a checkpoint on SIGTERM exits with this; launchers
+# resume the job.
+PREEMPTED_EXIT_CODE = 42
+
 
 class TfdistError(Exception):
   """A problem the user can fix: bad input, bad model_dir, bad cluster."""

@@ -11,9 +11,8 @@ import tempfile
 
 import tensorflow as tf
 
+from tfdist.errors import PREEMPTED_EXIT_CODE
 from tfdist.errors import TfdistError
-
-PREEMPTED_EXIT_CODE = 42
 
 
 class PreemptedError(TfdistError):

@@ -7,15 +7,23 @@ function its input and bring its results back to the host as numpy.
 import tensorflow as tf
 
 from tfdist import preemption
+from tfdist.errors import TfdistError
+
+
+class PeerError(TfdistError):
+  """Another task of the cluster stopped answering."""
 
 
 class SyncRunner:
   """Strategies whose loop runs in this process: default, one_device,
   mirrored, tpu and multi_worker_mirrored."""
 
-  def __init__(self, strategy, *, preemptible=True):
+  def __init__(self, strategy, *, preemptible=True, task_name="local",
+               peers=()):
     self._strategy = strategy
     self._preemptible = preemptible
+    self._task_name = task_name
+    self._peers = peers
 
   def preemption_guard(self, *, save_fn, step_fn):
     """Saves and exits on SIGTERM, at the same step on every worker."""
@@ -29,8 +37,18 @@ class SyncRunner:
     return iter(self._strategy.distribute_datasets_from_function(input_fn))
 
   def run(self, loop_fn, iterator, num_steps):
-    results = loop_fn(iterator, tf.constant(num_steps, tf.int32))
-    return tf.nest.map_structure(lambda t: t.numpy(), results)
+    try:
+      results = loop_fn(iterator, tf.constant(num_steps, tf.int32))
+      return tf.nest.map_structure(lambda t: t.numpy(), results)
+    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
+            tf.errors.AbortedError) as e:
+      if not self._peers:
+        raise
+      what = ("timed out (--collective_timeout)" if isinstance(
+          e, tf.errors.DeadlineExceededError) else "lost a peer")
+      raise PeerError(
+          f"a collective on {self._task_name} {what}: a peer stopped "
+          f"answering. Peers: {', '.join(self._peers)}.") from None
 
 
 def create(strategy_info):
@@ -38,6 +56,8 @@ def create(strategy_info):
   if strategy_info.name in ("default", "one_device", "mirrored", "tpu",
                             "multi_worker_mirrored"):
     return SyncRunner(strategy_info.strategy,
-                      preemptible=strategy_info.name != "tpu")
+                      preemptible=strategy_info.name != "tpu",
+                      task_name=strategy_info.task_name,
+                      peers=strategy_info.peers)
   raise ValueError(f"Unrecognized strategy for a runner: "
                    f"{strategy_info.name!r}")

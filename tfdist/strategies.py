@@ -18,6 +18,8 @@ class StrategyInfo:
   is_chief: bool = True
   worker_index: int = 0
   num_workers: int = 1
+  task_name: str = "local"
+  peers: Tuple[str, ...] = ()
 
   @property
   def num_replicas(self):
@@ -158,7 +160,17 @@ def create_strategy(config, *, tf_config=None) -> StrategyInfo:
       strategy=strategy, name=name, reason=reason,
       is_chief=tf_config.is_chief if multi_worker else True,
       worker_index=_trainer_index(tf_config) if multi_worker else 0,
-      num_workers=tf_config.num_trainers if multi_worker else 1)
+      num_workers=tf_config.num_trainers if multi_worker else 1,
+      task_name=(f"{tf_config.task_type}:{tf_config.task_index}"
+                 if multi_worker else "local"),
+      peers=_peers(tf_config) if multi_worker else ())
+
+
+def _peers(task):
+  return tuple(f"{role}:{index} ({address})"
+               for role, tasks in task.training_cluster.items()
+               for index, address in sorted(tasks.items())
+               if (role, index) != (task.task_type, task.task_index))
 
 
 def _trainer_index(task):

@@ -1,0 +1,147 @@
+"""MultiWorkerMirrored with real processes on 127.0.0.1, started by our
+own launcher: failures, preemption, replica checks, gradient compression."""
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+import artifacts
+from conftest import LauncherProcess
+from conftest import run_launcher
+
+MWMS = ["--strategy=multi_worker_mirrored", "--steps_per_loop=10",
+        "--log_every=100", "--eval_every=0"]
+
+
+def _train_args(model_dir, data_dir, *extra):
+  return [f"--model_dir={model_dir}", f"--data_dir={data_dir}", *MWMS,
+          *extra]
+
+
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  # A zombie is gone for our purposes.
+  with open(f"/proc/{pid}/stat") as f:
+    return f.read().split()[2] != "Z"
+
+
+def test_sigkilled_worker_restarts_job_and_finishes(tmp_path, data_dir):
+  model_dir = str(tmp_path / "run")
+  run = LauncherProcess(
+      ["--workers=2", "--max_restarts=2", "--backoff_seconds=0.2",
+       "--stop_grace_seconds=3"],
+      _train_args(model_dir, data_dir, "--train_steps=1200",
+                  "--checkpoint_every=100"))
+  run.wait_for(lambda l: "ckpt-200." in l and l.startswith("worker:0"))
+  os.kill(run.pids["worker:1"], signal.SIGKILL)
+  code, output = run.finish()
+  assert code == 0, output[-3000:]
+  assert "worker:1 exited with code -9; restarting the job" in output
+  resumed = re.findall(r"worker:0 \| .*Resumed from .*ckpt-(\d+) at step",
+                       output)
+  assert resumed and int(resumed[0]) >= 200
+  assert "Finished at step 1200/1200" in output
+  assert artifacts.checkpoint_step(model_dir) == 1200
+
+
+def test_sigterm_saves_current_step_then_resumes(tmp_path, data_dir):
+  model_dir = str(tmp_path / "run")
+  run = LauncherProcess(
+      ["--workers=2", "--max_restarts=1", "--backoff_seconds=0.2",
+       "--stop_grace_seconds=10"],
+      _train_args(model_dir, data_dir, "--train_steps=1500",
+                  "--checkpoint_every=1000"))
+  run.wait_for(lambda l: "train step 200/1500" in l)
+  os.kill(run.pids["worker:1"], signal.SIGTERM)
+  saved = run.wait_for(lambda l: "preempted (SIGTERM): checkpoint saved at "
+                       "step" in l and l.startswith("worker:0"))
+  step = int(re.search(r"at step (\d+)", saved).group(1))
+  assert 200 <= step < 1000  # Not a periodic checkpoint: the current step.
+  assert os.path.exists(os.path.join(model_dir, f"ckpt-{step}.index"))
+  code, output = run.finish()
+  assert code == 0, output[-3000:]
+  assert "was preempted and saved a checkpoint; restarting" in output
+  assert f"Resumed from {model_dir}/ckpt-{step} at step {step}" in output
+  assert artifacts.checkpoint_step(model_dir) == 1500
+
+
+def test_replica_check_names_the_perturbed_worker(tmp_path, data_dir):
+  proc = run_launcher(
+      ["--workers=2", "--module=tests.perturb_worker"],
+      _train_args(tmp_path / "run", data_dir, "--train_steps=40",
+                  "--check_replicas_every=10"), check=False)
+  assert proc.returncode == 4, proc.stdout[-3000:]
+  assert ("replica check at step 10: worker 1 (replica 1) diverged from "
+          "replica 0 in 1 variable(s): dense_0/kernel") in proc.stdout
+
+
+def test_replica_check_passes_on_a_healthy_run(tmp_path, data_dir):
+  proc = run_launcher(
+      ["--workers=2"], _train_args(tmp_path / "run", data_dir,
+                                   "--train_steps=40",
+                                   "--check_replicas_every=10"))
+  assert "Finished at step 40/40" in proc.stdout
+
+
+def _final_accuracy(output):
+  found = re.search(r"worker:0 \| Finished .* eval accuracy ([0-9.]+)",
+                    output)
+  return float(found.group(1))
+
+
+def test_float16_allreduce_trains_to_the_same_accuracy(tmp_path, data_dir):
+  results = {}
+  for dtype in ("float32", "float16"):
+    model_dir = tmp_path / dtype
+    proc = run_launcher(["--workers=2"], _train_args(
+        model_dir, data_dir, "--train_steps=300",
+        f"--allreduce_dtype={dtype}"))
+    results[dtype] = (_final_accuracy(proc.stdout),
+                      artifacts.model_weights(str(model_dir)))
+  assert results["float32"][0] >= 0.9
+  assert abs(results["float16"][0] - results["float32"][0]) <= 0.01
+  # The compressed path really ran: the weights are not bit-identical.
+  key = artifacts.FIRST_KERNEL
+  assert (results["float16"][1][key] != results["float32"][1][key]).any()
+
+
+def test_stalled_worker_gives_an_error_naming_it(tmp_path, data_dir):
+  run = LauncherProcess(
+      ["--workers=2", "--stop_grace_seconds=2"],
+      _train_args(tmp_path / "run", data_dir, "--train_steps=100000",
+                  "--collective_timeout=5", "--checkpoint_every=0"))
+  run.wait_for(lambda l: "train step 200/" in l)
+  stalled = run.pids["worker:1"]
+  os.kill(stalled, signal.SIGSTOP)
+  try:
+    code, output = run.finish(timeout=120)
+  finally:
+    if _alive(stalled):
+      os.kill(stalled, signal.SIGCONT)
+  assert code == 2
+  assert re.search(r"worker:0 \| tfdist: error: a collective on worker:0 "
+                   r"timed out \(--collective_timeout\): a peer stopped "
+                   r"answering. Peers: worker:1 \(127.0.0.1:\d+\)", output)
+
+
+def test_ctrl_c_stops_every_task(tmp_path, data_dir):
+  run = LauncherProcess(
+      ["--workers=2", "--stop_grace_seconds=10"],
+      _train_args(tmp_path / "run", data_dir, "--train_steps=100000",
+                  "--checkpoint_every=0"))
+  run.wait_for(lambda l: "train step 100/" in l)
+  pids = dict(run.pids)
+  run.proc.send_signal(signal.SIGINT)
+  code, output = run.finish(timeout=120)
+  assert code == 128 + signal.SIGINT, output[-2000:]
+  assert "stopped by signal" in output
+  deadline = time.monotonic() + 10
+  while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert not any(_alive(p) for p in pids.values())
