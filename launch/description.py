@@ -78,5 +78,21 @@ def task_commands(description: ClusterDescription, *,
   argv = [sys.executable, "-m", module, *train_args]
   return [TaskSpec(role=role, index=index,
                    address=addresses[role][index], argv=list(argv),
-                   env={"TF_CONFIG": json.dumps(config)})
+                   env=task_env(description, config))
           for (role, index), config in configs.items()]
+
+
+def task_env(description: ClusterDescription, tf_config: dict):
+  """The environment a task needs besides the launcher's own."""
+  env = {"TF_CONFIG": json.dumps(tf_config)}
+  if description.ps:
+    # TF's PS guide: fail RPCs to a lost worker fast so the coordinator
+    # re-dispatches its closures instead of waiting.
+    env["GRPC_FAIL_FAST"] = "use_caller"
+  return env
+
+
+def restarts_alone(description: ClusterDescription, role: str) -> bool:
+  """In a PS job a failed worker is restarted on its own: the coordinator
+  re-dispatches its steps. Any other failure restarts the whole job."""
+  return bool(description.ps) and role == "worker"

@@ -127,10 +127,37 @@ class Launcher:
       self._log(f"started {task.name} pid={task.process.pid} at "
                 f"{task.address} (attempt {attempt + 1})")
     try:
-      return self._job.wait()
+      return self._wait_restarting_alone()
     finally:
       self._job.stop()
       self._job = None
+
+  def _wait_restarting_alone(self):
+    """Waits for the job; restarts a task on its own where that is enough.
+
+    Returns (exit code, name of the failed task or None).
+    """
+    restarts = {}
+    while True:
+      code, task = self._job.wait()
+      if code == 0:
+        return 0, None
+      role = task.spec.role
+      used = restarts.get(task.name, 0)
+      if (self._signalled or used >= self._args.max_restarts or
+          not description.restarts_alone(self._args.cluster, role)):
+        return code, task.name
+      restarts[task.name] = used + 1
+      delay = self._args.backoff_seconds * 2 ** used
+      self._log(f"{task.name} exited with code {code}; restarting it alone "
+                f"in {delay:.1f}s (restart {used + 1} of "
+                f"{self._args.max_restarts}); the coordinator re-dispatches "
+                "its steps.")
+      if self._sleep(delay):
+        return code, task.name
+      self._job.start_task(task)
+      self._log(f"started {task.name} pid={task.process.pid} at "
+                f"{task.address}")
 
 
 def main(argv=None):

@@ -51,15 +51,19 @@ class Job:
 
   def start(self):
     for task in self.tasks:
-      task.process = subprocess.Popen(
-          task.spec.argv, env={**os.environ, **task.spec.env,
-                               "PYTHONUNBUFFERED": "1"},
-          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-          stdin=subprocess.DEVNULL, start_new_session=True,
-          preexec_fn=_die_with_parent)
-      task.pump = threading.Thread(target=self._pump, args=(task,),
-                                   daemon=True)
-      task.pump.start()
+      self.start_task(task)
+
+  def start_task(self, task):
+    """(Re)starts one task with its own command and environment."""
+    task.process = subprocess.Popen(
+        task.spec.argv, env={**os.environ, **task.spec.env,
+                             "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True,
+        preexec_fn=_die_with_parent)
+    task.pump = threading.Thread(target=self._pump, args=(task,),
+                                 daemon=True)
+    task.pump.start()
 
   def _pump(self, task):
     for raw in task.process.stdout:
@@ -67,12 +71,14 @@ class Job:
                  + raw.decode("utf-8", "replace").rstrip("\n"))
 
   def wait(self):
+    """Returns (0, None) when every non-serving task exited 0, else
+    (exit code, task) for the first task that failed."""
     trainers = [t for t in self.tasks if t.spec.role not in SERVING_ROLES]
     while True:
       for task in self.tasks:
         code = task.process.poll()
         if code not in (None, 0):
-          return code, task.name
+          return code, task
       if all(t.process.poll() == 0 for t in trainers):
         return 0, None
       time.sleep(self._poll_seconds)

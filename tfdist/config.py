@@ -65,6 +65,8 @@ class Config:
   collective_timeout: float = 0.0
   allreduce_dtype: str = "float32"
   check_replicas_every: int = 0
+  ps_shard_min_bytes: int = 256 << 10
+  ps_max_shards: int = 0
 
   def __post_init__(self):
     _require(bool(self.model_dir), "--model_dir is required.")
@@ -78,7 +80,8 @@ class Config:
       _positive(name, getattr(self, name))
     for name in ("eval_every", "eval_steps", "checkpoint_every",
                  "num_replicas", "bytes_per_pack", "collective_timeout",
-                 "check_replicas_every"):
+                 "check_replicas_every", "ps_shard_min_bytes",
+                 "ps_max_shards"):
       _non_negative(name, getattr(self, name))
     _positive("learning_rate", self.learning_rate)
     _require(all(d > 0 for d in self.synthetic_shape),

@@ -133,7 +133,13 @@ def _example_stream(dataset, seed, start_example):
   buffer = min(dataset.num_train_examples, SHUFFLE_BUFFER)
 
   def one_epoch(epoch):
-    return base.shuffle(buffer, seed=seed * 1_000_003 + epoch)
+    if seed is None:
+      # The function is traced once and shipped to every worker, so any
+      # graph-level seed is shared; the clock on each worker is not.
+      epoch_seed = tf.cast(tf.timestamp() * 1e6, tf.int64) + epoch
+    else:
+      epoch_seed = seed * 1_000_003 + epoch
+    return base.shuffle(buffer, seed=epoch_seed)
 
   epochs = tf.data.Dataset.range(first_epoch, _FOREVER)
   return epochs.flat_map(one_epoch).skip(offset)
@@ -143,7 +149,8 @@ def train_input_fn(dataset: Dataset, *, global_batch_size, seed, start_step=0):
   """Returns an input_fn for `distribute_datasets_from_function`.
 
   Resuming at `start_step` skips the global batches already trained on, so a
-  restarted run sees the same data as an uninterrupted one.
+  restarted run sees the same data as an uninterrupted one. `seed=None`
+  gives each input pipeline its own order (asynchronous PS workers).
   """
   def input_fn(context):
     per_host = global_batch_size // context.num_input_pipelines

@@ -7,6 +7,7 @@ a throw-away checkpoint to restore and track, so it never touches the run's
 own checkpoints (tfdist.checkpoints restores those, skipping corrupt ones).
 """
 
+import signal
 import tempfile
 
 import tensorflow as tf
@@ -47,6 +48,28 @@ class PreemptionGuard:
 
   def run(self, fn, *args):
     return self._handler.run(fn, *args)
+
+
+class SigtermGuard:
+  """For parameter-server coordinators: SIGTERM sets a flag that is checked
+  when all scheduled steps have joined; then the chief saves and exits."""
+
+  def __init__(self, *, save_fn, step_fn):
+    self._save_fn = save_fn
+    self._step_fn = step_fn
+    self._signalled = False
+    signal.signal(signal.SIGTERM, self._on_sigterm)
+
+  def _on_sigterm(self, signum, frame):
+    del signum, frame
+    self._signalled = True
+
+  def save_and_exit_if_signalled(self):
+    if self._signalled:
+      self._save_fn()
+      raise PreemptedError(
+          f"preempted (SIGTERM): checkpoint saved at step "
+          f"{self._step_fn()}; exiting with code {PREEMPTED_EXIT_CODE}.")
 
 
 class NoGuard:

@@ -25,27 +25,45 @@ def start_tensorflow(config, *, tf_config=None, show_native_logs=False):
   """Imports TF, splits the CPU and creates the strategy, in that order.
 
   A multi-worker strategy must exist before any other TF op runs, so
-  nothing else may touch the runtime before this returns.
+  nothing else may touch the runtime before this returns. Returns the
+  StrategyInfo, or, for a ps/worker task of a PS job, its started Server.
   """
   with quiet.native_stderr_captured(enabled=not show_native_logs):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from tfdist import strategies  # pylint: disable=g-import-not-at-top
     import tensorflow_datasets  # noqa: F401  (its import warns on stderr)
     strategies.configure_cpu_devices(config.num_cpu_devices)
+    if _is_ps_server(config, tf_config):
+      from tfdist import ps_server  # pylint: disable=g-import-not-at-top
+      return ps_server.start_server(tf_config)
     info = strategies.create_strategy(config, tf_config=tf_config)
     tf.config.list_logical_devices()
-  logging.info("Strategy: %s (%s), %d replica(s).", info.name, info.reason,
-               info.num_replicas)
+  logging.info("Strategy: %s (%s), %d replica(s)%s.", info.name, info.reason,
+               info.num_replicas,
+               f", {info.num_workers} workers" if info.coordinator else "")
   return info
 
 
+def _is_ps_server(config, tf_config):
+  """ps and worker tasks of a parameter-server job only serve."""
+  return (tf_config is not None and tf_config.task_type in ("ps", "worker")
+          and tf_config.cluster.get("ps") and
+          config.strategy in ("parameter_server", "auto"))
+
+
 def run(config, *, tf_config=None, show_native_logs=False):
-  """Trains per `config`; returns the Trainer's RunResult."""
+  """Trains per `config`; returns the Trainer's RunResult, or None for the
+  ps and worker tasks of a parameter-server job, which only serve."""
   import models  # pylint: disable=g-import-not-at-top
   models.check_name(config.model)
   ensure_writable_dir(config.model_dir)
   info = start_tensorflow(config, tf_config=tf_config,
                           show_native_logs=show_native_logs)
+  if _is_ps_server(config, tf_config):
+    from tfdist import ps_server  # pylint: disable=g-import-not-at-top
+    # `info` is this task's tf.distribute.Server: it serves while we wait.
+    ps_server.serve_until_chief_done(tf_config)
+    return None
   from tfdist import data  # pylint: disable=g-import-not-at-top
   from tfdist import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
   trainer_lib.check_batch_size(config.batch_size, info.num_replicas)

@@ -1,9 +1,15 @@
-"""Step runners: how a loop function is invoked on each kind of strategy.
+"""Step runners: how loop functions run on each kind of strategy.
 
-The Trainer owns the outer loop; a runner only knows how to feed a loop
-function its input and bring its results back to the host as numpy.
+The Trainer owns the outer loop and asks a runner for "N more train steps"
+or "an eval pass". A runner splits the steps into `steps_per_loop` calls and
+brings the results back to the host as numpy:
+- SyncRunner calls the loop function in this process, one call at a time
+  (default, one_device, mirrored, tpu, multi_worker_mirrored);
+- ParameterServerRunner schedules every call on the workers through a
+  ClusterCoordinator, then joins, and evaluates on the coordinator itself.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist import preemption
@@ -14,9 +20,39 @@ class PeerError(TfdistError):
   """Another task of the cluster stopped answering."""
 
 
+def _chunks(num_steps, steps_per_call):
+  while num_steps > 0:
+    size = min(steps_per_call, num_steps)
+    yield size
+    num_steps -= size
+
+
+def combine(results):
+  """Joins per-call results [(sums, num_steps)] into one dict.
+
+  `step_loss` holds one entry per step; every other entry is a sum.
+  """
+  combined = {}
+  for sums, num_steps in results:
+    for name, value in sums.items():
+      if name == "step_loss":
+        combined.setdefault(name, []).append(np.asarray(value)[:num_steps])
+      else:
+        combined[name] = combined.get(name, 0.0) + float(value)
+  if "step_loss" in combined:
+    combined["step_loss"] = np.concatenate(combined["step_loss"])
+  return combined
+
+
+def _to_numpy(results):
+  return tf.nest.map_structure(lambda t: t.numpy(), results)
+
+
 class SyncRunner:
-  """Strategies whose loop runs in this process: default, one_device,
-  mirrored, tpu and multi_worker_mirrored."""
+  """Runs loop functions in this process."""
+
+  # Every replica's slice of a global batch comes from one seeded stream.
+  same_data_everywhere = True
 
   def __init__(self, strategy, *, preemptible=True, task_name="local",
                peers=()):
@@ -24,22 +60,32 @@ class SyncRunner:
     self._preemptible = preemptible
     self._task_name = task_name
     self._peers = peers
+    self._guard = preemption.NoGuard()
 
-  def preemption_guard(self, *, save_fn, step_fn):
-    """Saves and exits on SIGTERM, at the same step on every worker."""
-    if not self._preemptible:
-      return preemption.NoGuard()
-    return preemption.PreemptionGuard(
-        cluster_resolver=getattr(self._strategy, "cluster_resolver", None),
-        save_fn=save_fn, step_fn=step_fn)
+  def watch_preemption(self, *, save_fn, step_fn):
+    """On SIGTERM: save and exit, at the same step on every worker."""
+    if self._preemptible:
+      self._guard = preemption.PreemptionGuard(
+          cluster_resolver=getattr(self._strategy, "cluster_resolver", None),
+          save_fn=save_fn, step_fn=step_fn)
 
   def make_iterator(self, input_fn):
     return iter(self._strategy.distribute_datasets_from_function(input_fn))
 
-  def run(self, loop_fn, iterator, num_steps):
+  def run_steps(self, loop_fn, iterator, num_steps, steps_per_call):
+    results = []
+    for size in _chunks(num_steps, steps_per_call):
+      results.append((self._guard.run(self._call, loop_fn, iterator, size),
+                      size))
+    return combine(results)
+
+  def evaluate(self, loops, input_fn, num_steps):
+    return self._call(loops.eval_loop, self.make_iterator(input_fn),
+                      num_steps)
+
+  def _call(self, loop_fn, iterator, num_steps):
     try:
-      results = loop_fn(iterator, tf.constant(num_steps, tf.int32))
-      return tf.nest.map_structure(lambda t: t.numpy(), results)
+      return _to_numpy(loop_fn(iterator, tf.constant(num_steps, tf.int32)))
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
             tf.errors.AbortedError) as e:
       if not self._peers:
@@ -51,6 +97,49 @@ class SyncRunner:
           f"answering. Peers: {', '.join(self._peers)}.") from None
 
 
+class ParameterServerRunner:
+  """Schedules loop calls on workers; the coordinator never trains."""
+
+  # Async workers must not all read the same batches: unseeded shuffles.
+  same_data_everywhere = False
+
+  def __init__(self, strategy, coordinator):
+    self._strategy = strategy
+    self._coordinator = coordinator
+    self._guard = None
+
+  def watch_preemption(self, *, save_fn, step_fn):
+    """TF's handler does not support PS: SIGTERM is checked after joins."""
+    self._guard = preemption.SigtermGuard(save_fn=save_fn, step_fn=step_fn)
+
+  def make_iterator(self, input_fn):
+    def per_worker_dataset():
+      return self._strategy.distribute_datasets_from_function(input_fn)
+    return iter(self._coordinator.create_per_worker_dataset(
+        per_worker_dataset))
+
+  def run_steps(self, loop_fn, iterator, num_steps, steps_per_call):
+    # All calls are queued at once so that every worker stays busy; a call
+    # lost with a failed worker is re-dispatched by the coordinator.
+    scheduled = [(self._coordinator.schedule(
+        loop_fn, args=(iterator, tf.constant(size, tf.int32))), size)
+                 for size in _chunks(num_steps, steps_per_call)]
+    self._coordinator.join()
+    if self._guard:
+      self._guard.save_and_exit_if_signalled()
+    return combine([(remote.fetch(), size)  # fetch() gives numpy.
+                    for remote, size in scheduled])
+
+  def evaluate(self, loops, input_fn, num_steps):
+    """Exact eval on the coordinator: one pipeline, every example once.
+
+    Scheduled eval could count an example twice when a closure is retried.
+    """
+    dataset = input_fn(tf.distribute.InputContext())
+    return _to_numpy(loops.local_eval_loop(
+        iter(dataset), tf.constant(num_steps, tf.int32)))
+
+
 def create(strategy_info):
   """Returns the runner for `strategy_info.name`."""
   if strategy_info.name in ("default", "one_device", "mirrored", "tpu",
@@ -59,5 +148,8 @@ def create(strategy_info):
                       preemptible=strategy_info.name != "tpu",
                       task_name=strategy_info.task_name,
                       peers=strategy_info.peers)
+  if strategy_info.name == "parameter_server":
+    return ParameterServerRunner(strategy_info.strategy,
+                                 strategy_info.coordinator)
   raise ValueError(f"Unrecognized strategy for a runner: "
                    f"{strategy_info.name!r}")

@@ -40,6 +40,7 @@ class LoopFunctions:
     self._eval_step_fn = tf.function(self._eval_step, jit_compile=jit_compile)
     self.train_loop = tf.function(self._train_loop)
     self.eval_loop = tf.function(self._eval_loop)
+    self.local_eval_loop = tf.function(self._local_eval_loop)
 
   def _train_zeros(self):
     return {"step_loss": tf.zeros([self._steps_per_loop]),
@@ -107,6 +108,13 @@ class LoopFunctions:
                           num_steps)
     # assign_add is atomic, so the step stays exact under async PS too.
     self._global_step.assign_add(tf.cast(num_steps, tf.int64))
+    return sums
+
+  def _local_eval_loop(self, iterator, num_steps):
+    """Eval in this process without strategy.run (a PS coordinator)."""
+    sums = self._eval_zeros()
+    for index in tf.range(num_steps):
+      sums = self._eval_step_fn(next(iterator), sums, index)
     return sums
 
   def _eval_loop(self, iterator, num_steps):

@@ -20,6 +20,7 @@ class StrategyInfo:
   num_workers: int = 1
   task_name: str = "local"
   peers: Tuple[str, ...] = ()
+  coordinator: object = None  # parameter_server: the ClusterCoordinator.
 
   @property
   def num_replicas(self):
@@ -93,11 +94,6 @@ def _tpu_strategy(address):
   return tf.distribute.TPUStrategy(resolver)
 
 
-def _not_yet(name):
-  raise ConfigError(f"--strategy={name} is not yet supported by this build "
-                    "of tfdist.")
-
-
 _IMPLEMENTATIONS = {
     "auto": "AUTO", "ring": "RING", "nccl": "NCCL",
 }
@@ -112,6 +108,31 @@ def cluster_resolver(task):
   return tf.distribute.cluster_resolver.SimpleClusterResolver(
       tf.train.ClusterSpec(task.cluster_as_lists()),
       task_type=task.task_type, task_id=task.task_index, rpc_layer="grpc")
+
+
+def _partitioner(config, num_ps):
+  """Splits big variables (embeddings) across the ps tasks."""
+  partitioners = tf.distribute.experimental.partitioners
+  max_shards = config.ps_max_shards or num_ps
+  if not config.ps_shard_min_bytes:
+    return partitioners.FixedShardsPartitioner(num_shards=max_shards)
+  return partitioners.MinSizePartitioner(
+      min_shard_bytes=config.ps_shard_min_bytes, max_shards=max_shards)
+
+
+def _parameter_server(config, task):
+  if task is None or not task.cluster.get("ps"):
+    raise ConfigError(
+        "--strategy=parameter_server needs a TF_CONFIG with chief, worker "
+        "and ps tasks; start it with python -m launch.local --chief "
+        "--workers=2 --ps=1 -- ...")
+  if task.task_type != "chief":
+    raise ConfigError(f"only the chief builds ParameterServerStrategy. "
+                      f"Received: task type {task.task_type!r}")
+  strategy = tf.distribute.ParameterServerStrategy(
+      cluster_resolver(task),
+      variable_partitioner=_partitioner(config, len(task.cluster["ps"])))
+  return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
 
 
 def _multi_worker(config, task):
@@ -135,6 +156,7 @@ def create_strategy(config, *, tf_config=None) -> StrategyInfo:
   `tf_config` is a parsed `tfdist.cluster.TaskConfig`, or None.
   """
   name, reason = config.strategy, "requested with --strategy"
+  coordinator = None
   if name == "auto":
     name, reason = choose_auto(
         tf_config=tf_config,
@@ -152,10 +174,15 @@ def create_strategy(config, *, tf_config=None) -> StrategyInfo:
   elif name == "multi_worker_mirrored":
     strategy = _multi_worker(config, tf_config)
   elif name == "parameter_server":
-    _not_yet(name)
+    strategy, coordinator = _parameter_server(config, tf_config)
   else:
     raise ConfigError(f"Unrecognized strategy: {name!r}")
   multi_worker = name == "multi_worker_mirrored" and tf_config is not None
+  if name == "parameter_server":
+    return StrategyInfo(
+        strategy=strategy, name=name, reason=reason, coordinator=coordinator,
+        num_workers=len(tf_config.cluster.get("worker", {})),
+        task_name="chief:0")
   return StrategyInfo(
       strategy=strategy, name=name, reason=reason,
       is_chief=tf_config.is_chief if multi_worker else True,

@@ -62,6 +62,13 @@ flags.DEFINE_enum("allreduce_dtype", "float32", config_lib.ALLREDUCE_DTYPES,
 flags.DEFINE_integer("check_replicas_every", 0,
                      "Every N steps, check that all replicas hold identical "
                      "weights; 0: never.")
+flags.DEFINE_integer("ps_shard_min_bytes", 256 << 10,
+                     "parameter_server: split variables into shards of at "
+                     "least this many bytes; 0: --ps_max_shards fixed "
+                     "shards.")
+flags.DEFINE_integer("ps_max_shards", 0,
+                     "parameter_server: most shards per variable; 0: the "
+                     "number of ps tasks.")
 flags.DEFINE_boolean("native_logs", False,
                      "Show TensorFlow's native start-up logs (also on with "
                      "--verbosity>=1).")
@@ -100,7 +107,9 @@ def config_from_flags():
       bytes_per_pack=FLAGS.bytes_per_pack,
       collective_timeout=FLAGS.collective_timeout,
       allreduce_dtype=FLAGS.allreduce_dtype,
-      check_replicas_every=FLAGS.check_replicas_every)
+      check_replicas_every=FLAGS.check_replicas_every,
+      ps_shard_min_bytes=FLAGS.ps_shard_min_bytes,
+      ps_max_shards=FLAGS.ps_max_shards)
 
 
 def _fail(message, exit_code=2):
@@ -155,6 +164,8 @@ def main(argv):
                      show_native_logs=show_native)
   except TfdistError as e:
     _fail(str(e), e.exit_code)
+  if result is None:  # A ps or worker task of a parameter-server job.
+    return
   for line in run.summary_lines(config, result):
     print(line, flush=True)
 

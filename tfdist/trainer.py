@@ -147,7 +147,7 @@ class Trainer:
         replicas_per_worker=max(
             self._info.num_replicas // self._info.num_workers, 1))
                              if config.check_replicas_every else None)
-    self._guard = self._runner.preemption_guard(
+    self._runner.watch_preemption(
         save_fn=lambda: self._save(self.step), step_fn=lambda: self.step)
 
   # Public --------------------------------------------------------------
@@ -188,10 +188,10 @@ class Trainer:
 
   def evaluate(self, step):
     """One pass over the test split (or eval_steps batches), exact."""
-    iterator = self._runner.make_iterator(data.eval_input_fn(
-        self._dataset, global_batch_size=self._config.batch_size))
-    sums = self._runner.run(self._loops.eval_loop, iterator,
-                            self._eval_iterations)
+    sums = self._runner.evaluate(
+        self._loops, data.eval_input_fn(
+            self._dataset, global_batch_size=self._config.batch_size),
+        self._eval_iterations)
     examples = max(float(sums["examples"]), 1.0)
     metrics = {"loss": float(sums["loss_sum"]) / examples,
                "accuracy": float(sums["correct"]) / examples,
@@ -207,7 +207,7 @@ class Trainer:
 
   def _boundaries(self, step):
     config = self._config
-    ends = [step + config.steps_per_loop, config.train_steps,
+    ends = [config.train_steps,
             _next_multiple(step, config.log_every)]
     for every in (config.eval_every, config.checkpoint_every,
                   config.check_replicas_every):
@@ -233,9 +233,9 @@ class Trainer:
     while step < until_step:
       self._profile(step)
       num_steps = min(self._boundaries(step), until_step) - step
-      sums = self._guard.run(self._runner.run, self._loops.train_loop,
-                             iterator, num_steps)
-      losses = sums["step_loss"][:num_steps]
+      sums = self._runner.run_steps(self._loops.train_loop, iterator,
+                                    num_steps, config.steps_per_loop)
+      losses = sums["step_loss"]
       self._check_finite(losses, step)
       meter.add(sums, num_steps)
       step += num_steps
@@ -262,7 +262,8 @@ class Trainer:
     if self._iterator is None or self._iterator_step != step:
       self._iterator = self._runner.make_iterator(data.train_input_fn(
           self._dataset, global_batch_size=self._config.batch_size,
-          seed=self._config.seed, start_step=step))
+          seed=self._config.seed if self._runner.same_data_everywhere
+          else None, start_step=step))
       self._iterator_step = step
     return self._iterator
 
