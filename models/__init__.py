@@ -1,6 +1,7 @@
 """The model zoo. `build(name, ...)` picks a model by its --model name."""
 
 import importlib
+import inspect
 
 from tfdist.errors import ConfigError
 
@@ -12,6 +13,7 @@ _REGISTRY = {
     "resnet20": ("models.resnet", "resnet20"),
     "resnet56": ("models.resnet", "resnet56"),
     "transformer": ("models.transformer", "transformer"),
+    "embedding_bag": ("models.embedding_bag", "embedding_bag"),
 }
 
 
@@ -25,9 +27,18 @@ def check_name(name):
                       f"Valid: {', '.join(names())}.")
 
 
-def build(name, *, input_shape, num_classes):
-  """Builds an uncompiled Keras model that outputs float32 logits."""
+def build(name, *, input_shape, num_classes, partitioner=None):
+  """Builds an uncompiled Keras model that outputs float32 logits.
+
+  `partitioner` (a tf.distribute partitioner) reaches the models that can
+  shard a big variable across parameter servers; the others ignore it.
+  """
   check_name(name)
   module, function = _REGISTRY[name]
   builder = getattr(importlib.import_module(module), function)
-  return builder(input_shape=tuple(input_shape), num_classes=num_classes)
+  options = {}
+  if partitioner is not None and "partitioner" in inspect.signature(
+      builder).parameters:
+    options["partitioner"] = partitioner
+  return builder(input_shape=tuple(input_shape), num_classes=num_classes,
+                 **options)

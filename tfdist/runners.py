@@ -72,11 +72,12 @@ class SyncRunner:
   def make_iterator(self, input_fn):
     return iter(self._strategy.distribute_datasets_from_function(input_fn))
 
-  def run_steps(self, loop_fn, iterator, num_steps, steps_per_call):
+  def run_steps(self, loops, iterator, num_steps, steps_per_call):
+    """Each call counts its steps in the global step as it ends."""
     results = []
     for size in _chunks(num_steps, steps_per_call):
-      results.append((self._guard.run(self._call, loop_fn, iterator, size),
-                      size))
+      results.append((self._guard.run(self._call, loops.train_loop, iterator,
+                                      size), size))
     return combine(results)
 
   def evaluate(self, loops, input_fn, num_steps):
@@ -118,17 +119,24 @@ class ParameterServerRunner:
     return iter(self._coordinator.create_per_worker_dataset(
         per_worker_dataset))
 
-  def run_steps(self, loop_fn, iterator, num_steps, steps_per_call):
-    # All calls are queued at once so that every worker stays busy; a call
-    # lost with a failed worker is re-dispatched by the coordinator.
+  def run_steps(self, loops, iterator, num_steps, steps_per_call):
+    """All calls are queued at once so every worker stays busy.
+
+    A call lost with a failed worker is re-dispatched by the coordinator,
+    and may already have counted its steps before it was lost; so the
+    coordinator counts the steps of the calls whose results came back,
+    which makes the global step end exactly at the requested step.
+    """
     scheduled = [(self._coordinator.schedule(
-        loop_fn, args=(iterator, tf.constant(size, tf.int32))), size)
+        loops.uncounted_train_loop,
+        args=(iterator, tf.constant(size, tf.int32))), size)
                  for size in _chunks(num_steps, steps_per_call)]
     self._coordinator.join()
+    results = [(remote.fetch(), size) for remote, size in scheduled]
+    loops.count_steps(sum(size for _, size in results))
     if self._guard:
       self._guard.save_and_exit_if_signalled()
-    return combine([(remote.fetch(), size)  # fetch() gives numpy.
-                    for remote, size in scheduled])
+    return combine(results)
 
   def evaluate(self, loops, input_fn, num_steps):
     """Exact eval on the coordinator: one pipeline, every example once.

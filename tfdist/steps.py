@@ -39,6 +39,7 @@ class LoopFunctions:
                                   jit_compile=jit_compile)
     self._eval_step_fn = tf.function(self._eval_step, jit_compile=jit_compile)
     self.train_loop = tf.function(self._train_loop)
+    self.uncounted_train_loop = tf.function(self._uncounted_train_loop)
     self.eval_loop = tf.function(self._eval_loop)
     self.local_eval_loop = tf.function(self._local_eval_loop)
 
@@ -103,12 +104,18 @@ class LoopFunctions:
     return {n: (p if n == "step_loss" else p[0]) for n, p in zip(names,
                                                                  parts)}
 
-  def _train_loop(self, iterator, num_steps):
-    sums = self._run_loop(self._train_step, self._train_zeros, iterator,
+  def _uncounted_train_loop(self, iterator, num_steps):
+    return self._run_loop(self._train_step, self._train_zeros, iterator,
                           num_steps)
-    # assign_add is atomic, so the step stays exact under async PS too.
-    self._global_step.assign_add(tf.cast(num_steps, tf.int64))
+
+  def _train_loop(self, iterator, num_steps):
+    sums = self._uncounted_train_loop(iterator, num_steps)
+    self.count_steps(num_steps)
     return sums
+
+  def count_steps(self, num_steps):
+    """Adds to the global step (atomic, even on a parameter server)."""
+    self._global_step.assign_add(tf.cast(num_steps, tf.int64))
 
   def _local_eval_loop(self, iterator, num_steps):
     """Eval in this process without strategy.run (a PS coordinator)."""

@@ -21,6 +21,7 @@ class StrategyInfo:
   task_name: str = "local"
   peers: Tuple[str, ...] = ()
   coordinator: object = None  # parameter_server: the ClusterCoordinator.
+  partitioner: object = None  # parameter_server: how to shard big tables.
 
   @property
   def num_replicas(self):
@@ -129,10 +130,12 @@ def _parameter_server(config, task):
   if task.task_type != "chief":
     raise ConfigError(f"only the chief builds ParameterServerStrategy. "
                       f"Received: task type {task.task_type!r}")
-  strategy = tf.distribute.ParameterServerStrategy(
-      cluster_resolver(task),
-      variable_partitioner=_partitioner(config, len(task.cluster["ps"])))
-  return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
+  # No variable_partitioner: Keras 3 variables cannot wrap ShardedVariable.
+  # Models that can shard take the partitioner and make one variable per
+  # shard, which the strategy places round-robin over the ps tasks.
+  strategy = tf.distribute.ParameterServerStrategy(cluster_resolver(task))
+  return (strategy, tf.distribute.coordinator.ClusterCoordinator(strategy),
+          _partitioner(config, len(task.cluster["ps"])))
 
 
 def _multi_worker(config, task):
@@ -156,7 +159,7 @@ def create_strategy(config, *, tf_config=None) -> StrategyInfo:
   `tf_config` is a parsed `tfdist.cluster.TaskConfig`, or None.
   """
   name, reason = config.strategy, "requested with --strategy"
-  coordinator = None
+  coordinator = partitioner = None
   if name == "auto":
     name, reason = choose_auto(
         tf_config=tf_config,
@@ -174,13 +177,14 @@ def create_strategy(config, *, tf_config=None) -> StrategyInfo:
   elif name == "multi_worker_mirrored":
     strategy = _multi_worker(config, tf_config)
   elif name == "parameter_server":
-    strategy, coordinator = _parameter_server(config, tf_config)
+    strategy, coordinator, partitioner = _parameter_server(config, tf_config)
   else:
     raise ConfigError(f"Unrecognized strategy: {name!r}")
   multi_worker = name == "multi_worker_mirrored" and tf_config is not None
   if name == "parameter_server":
     return StrategyInfo(
         strategy=strategy, name=name, reason=reason, coordinator=coordinator,
+        partitioner=partitioner,
         num_workers=len(tf_config.cluster.get("worker", {})),
         task_name="chief:0")
   return StrategyInfo(

@@ -120,7 +120,8 @@ class Trainer:
     with self._strategy.scope():
       self.model = models.build(config.model,
                                 input_shape=self._dataset.input_shape,
-                                num_classes=self._dataset.num_classes)
+                                num_classes=self._dataset.num_classes,
+                                partitioner=self._info.partitioner)
       self.optimizer = optimizers.create(
           config.optimizer, learning_rate=config.learning_rate,
           mixed_precision=config.mixed_precision)
@@ -147,6 +148,8 @@ class Trainer:
         replicas_per_worker=max(
             self._info.num_replicas // self._info.num_workers, 1))
                              if config.check_replicas_every else None)
+    if self._info.coordinator:
+      self._log_placement()
     self._runner.watch_preemption(
         save_fn=lambda: self._save(self.step), step_fn=lambda: self.step)
 
@@ -233,8 +236,8 @@ class Trainer:
     while step < until_step:
       self._profile(step)
       num_steps = min(self._boundaries(step), until_step) - step
-      sums = self._runner.run_steps(self._loops.train_loop, iterator,
-                                    num_steps, config.steps_per_loop)
+      sums = self._runner.run_steps(self._loops, iterator, num_steps,
+                                    config.steps_per_loop)
       losses = sums["step_loss"]
       self._check_finite(losses, step)
       meter.add(sums, num_steps)
@@ -298,6 +301,19 @@ class Trainer:
     self._summaries.scalars("train", step, {
         **metrics, "learning_rate": float(tf.convert_to_tensor(
             self.optimizer.learning_rate.value))})
+
+  def _log_placement(self):
+    """Bytes of model variables per parameter server."""
+    per_task = {}
+    for weight in self.model.weights:
+      device = tf.DeviceSpec.from_string(weight.value.device)
+      task = f"{device.job}:{device.task}"
+      per_task.setdefault(task, [0, []])
+      per_task[task][0] += int(np.prod(weight.shape)) * weight.value.dtype.size
+      per_task[task][1].append(weight.path)
+    for task, (size, names) in sorted(per_task.items()):
+      logging.info("placement %s: %d bytes in %d variable(s): %s", task, size,
+                   len(names), ", ".join(names))
 
   def _export(self):
     if not self._config.export:
