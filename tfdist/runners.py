@@ -9,6 +9,8 @@ brings the results back to the host as numpy:
   ClusterCoordinator, then joins, and evaluates on the coordinator itself.
 """
 
+import re
+
 import numpy as np
 import tensorflow as tf
 
@@ -42,6 +44,11 @@ def combine(results):
   if "step_loss" in combined:
     combined["step_loss"] = np.concatenate(combined["step_loss"])
   return combined
+
+
+def _failed_task(error):
+  found = re.search(r"/job:(\w+)/replica:\d+/task:(\d+)", error.message)
+  return f"{found.group(1)}:{found.group(2)}" if found else "a task"
 
 
 def _to_numpy(results):
@@ -127,12 +134,18 @@ class ParameterServerRunner:
     coordinator counts the steps of the calls whose results came back,
     which makes the global step end exactly at the requested step.
     """
-    scheduled = [(self._coordinator.schedule(
-        loops.uncounted_train_loop,
-        args=(iterator, tf.constant(size, tf.int32))), size)
-                 for size in _chunks(num_steps, steps_per_call)]
-    self._coordinator.join()
-    results = [(remote.fetch(), size) for remote, size in scheduled]
+    try:
+      scheduled = [(self._coordinator.schedule(
+          loops.uncounted_train_loop,
+          args=(iterator, tf.constant(size, tf.int32))), size)
+                   for size in _chunks(num_steps, steps_per_call)]
+      self._coordinator.join()
+      results = [(remote.fetch(), size) for remote, size in scheduled]
+    except tf.errors.OpError as e:
+      # Worker failures are retried by the coordinator; what reaches here
+      # is a lost parameter server (or a bug), which needs a job restart.
+      raise PeerError(f"the coordinator lost {_failed_task(e)}: "
+                      f"{e.message.splitlines()[0][:160]}") from None
     loops.count_steps(sum(size for _, size in results))
     if self._guard:
       self._guard.save_and_exit_if_signalled()

@@ -1,0 +1,97 @@
+"""ParameterServerStrategy on Keras 3, with real processes on 127.0.0.1:
+1 chief, 2 workers, 1 ps (2 ps for sharding), on a 2-core machine."""
+
+import os
+import re
+import signal
+
+import artifacts
+from conftest import LauncherProcess
+from conftest import run_launcher
+
+PS = ["--strategy=parameter_server", "--eval_every=0"]
+CLUSTER = ["--chief", "--workers=2", "--ps=1"]
+
+
+def _args(model_dir, data_dir, *extra):
+  return [f"--model_dir={model_dir}", f"--data_dir={data_dir}", *PS, *extra]
+
+
+def test_trains_to_accuracy_with_an_exact_step(tmp_path, data_dir):
+  model_dir = str(tmp_path / "run")
+  proc = run_launcher(CLUSTER, [
+      f"--model_dir={model_dir}", f"--data_dir={data_dir}",
+      "--strategy=parameter_server", "--model=mlp", "--dataset=digits",
+      "--batch_size=64", "--train_steps=300"])
+  accuracy = float(re.search(r"chief:0 \| Finished at step 300/300 .* eval "
+                             r"accuracy ([0-9.]+)", proc.stdout).group(1))
+  assert accuracy >= 0.90
+  assert artifacts.checkpoint_step(model_dir) == 300
+  assert artifacts.scalars(os.path.join(model_dir, "train"), "loss")[-1][0] \
+      == 300
+  # ps and worker tasks serve, then exit 0 once the chief is done.
+  assert "worker:1 | " in proc.stdout and "The chief is gone" in proc.stdout
+  assert "training finished" in proc.stdout
+
+
+def test_killed_worker_restarts_alone_and_run_ends_at_requested_step(
+    tmp_path, data_dir):
+  model_dir = str(tmp_path / "run")
+  run = LauncherProcess(
+      [*CLUSTER, "--max_restarts=2", "--backoff_seconds=0.2"],
+      _args(model_dir, data_dir, "--train_steps=3000", "--steps_per_loop=20",
+            "--log_every=200", "--checkpoint_every=1000"))
+  run.wait_for(lambda l: "train step 400/3000" in l)
+  os.kill(run.pids["worker:1"], signal.SIGKILL)
+  code, output = run.finish()
+  assert code == 0, output[-3000:]
+  assert "worker:1 exited with code -9; restarting it alone" in output
+  assert "restarting the job" not in output
+  assert "chief:0 | " in output and "Finished at step 3000/3000" in output
+  assert artifacts.checkpoint_step(model_dir) == 3000
+
+
+def test_killed_ps_restarts_job_from_checkpoint(tmp_path, data_dir):
+  model_dir = str(tmp_path / "run")
+  run = LauncherProcess(
+      [*CLUSTER, "--max_restarts=2", "--backoff_seconds=0.2",
+       "--stop_grace_seconds=5"],
+      _args(model_dir, data_dir, "--train_steps=2000", "--steps_per_loop=20",
+            "--log_every=200", "--checkpoint_every=500"))
+  run.wait_for(lambda l: "ckpt-500." in l)
+  os.kill(run.pids["ps:0"], signal.SIGKILL)
+  code, output = run.finish()
+  assert code == 0, output[-3000:]
+  assert "ps:0 exited with code -9; restarting the job" in output
+  resumed = re.findall(r"Resumed from .*ckpt-(\d+) at step", output)
+  assert resumed and int(resumed[0]) >= 500
+  assert artifacts.checkpoint_step(model_dir) == 2000
+
+
+def test_sigterm_to_chief_writes_checkpoint(tmp_path, data_dir):
+  model_dir = str(tmp_path / "run")
+  run = LauncherProcess(
+      CLUSTER, _args(model_dir, data_dir, "--train_steps=100000",
+                     "--steps_per_loop=20", "--log_every=200",
+                     "--checkpoint_every=0"))
+  run.wait_for(lambda l: "train step 400/" in l)
+  os.kill(run.pids["chief:0"], signal.SIGTERM)
+  line = run.wait_for(lambda l: "preempted (SIGTERM): checkpoint saved" in l)
+  step = int(re.search(r"at step (\d+)", line).group(1))
+  code, output = run.finish()
+  assert code == 42, output[-2000:]
+  assert step >= 400
+  assert artifacts.checkpoint_step(model_dir) == step
+
+
+def test_embedding_is_sharded_across_ps_tasks(tmp_path, data_dir):
+  proc = run_launcher(
+      ["--chief", "--workers=1", "--ps=2"],
+      _args(tmp_path / "run", data_dir, "--model=embedding_bag",
+            "--train_steps=100", "--ps_shard_min_bytes=262144"))
+  placement = dict(re.findall(r"placement (ps:\d): \d+ bytes in \d+ "
+                              r"variable\(s\): (.*)", proc.stdout))
+  assert set(placement) == {"ps:0", "ps:1"}
+  assert "embedding/shard_0_of_2" in placement["ps:0"]
+  assert "embedding/shard_1_of_2" in placement["ps:1"]
+  assert "Finished at step 100/100" in proc.stdout
