@@ -95,3 +95,22 @@ def test_embedding_is_sharded_across_ps_tasks(tmp_path, data_dir):
   assert "embedding/shard_0_of_2" in placement["ps:0"]
   assert "embedding/shard_1_of_2" in placement["ps:1"]
   assert "Finished at step 100/100" in proc.stdout
+
+
+def test_sidecar_evaluator_is_exact_and_outside_the_cluster(tmp_path,
+                                                            data_dir):
+  model_dir = str(tmp_path / "run")
+  proc = run_launcher(
+      ["--chief", "--workers=1", "--ps=1", "--evaluator"],
+      _args(model_dir, data_dir, "--train_steps=300"))
+  assert "Sidecar evaluator done at step 300" in proc.stdout
+  sidecar = re.search(r"evaluator:0 \| .*eval  step 300: (accuracy [0-9.]+ "
+                      r"+loss [0-9.]+ +\(359 examples\))", proc.stdout)
+  chief = re.search(r"chief:0 \| .*eval  step 300: (accuracy [0-9.]+ +loss "
+                    r"[0-9.]+ +\(359 examples\))", proc.stdout)
+  assert sidecar and chief and sidecar.group(1) == chief.group(1)
+  assert "evaluator:0 | " in proc.stdout
+  assert "Strategy: default (sidecar evaluator)" in proc.stdout
+  steps = [s for s, _ in artifacts.scalars(os.path.join(model_dir, "eval"),
+                                           "accuracy")]
+  assert 300 in steps

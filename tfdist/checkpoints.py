@@ -11,7 +11,7 @@ from tfdist.errors import CheckpointError
 
 SIGNATURE_FILE = "tfdist_model.json"
 # What reading a truncated or corrupt checkpoint raises.
-_UNREADABLE = (tf.errors.OpError, IndexError, OSError, EOFError)
+UNREADABLE = (tf.errors.OpError, IndexError, OSError, EOFError)
 
 
 
@@ -71,7 +71,7 @@ class CheckpointStore:
       try:
         self._checkpoint.restore(path).assert_existing_objects_matched()
         return path
-      except _UNREADABLE as e:
+      except UNREADABLE as e:
         logging.warning("Checkpoint %s is unreadable (%s); trying the one "
                         "before it.", path, str(e).splitlines()[0][:160])
       except (AssertionError, ValueError) as e:
@@ -84,6 +84,10 @@ class CheckpointStore:
           f"no readable checkpoint in {self._model_dir} (tried "
           f"{len(candidates)}); nothing was changed.")
     return None
+
+  def restore_path(self, path):
+    """Restores one checkpoint; the optimizer may be absent or partial."""
+    self._checkpoint.restore(path).expect_partial()
 
   def save(self, step):
     """Saves at `step`. Every worker calls it; only the chief's is kept."""

@@ -67,6 +67,7 @@ class Config:
   check_replicas_every: int = 0
   ps_shard_min_bytes: int = 256 << 10
   ps_max_shards: int = 0
+  sidecar_timeout: float = 600.0
 
   def __post_init__(self):
     _require(bool(self.model_dir), "--model_dir is required.")
@@ -84,6 +85,7 @@ class Config:
                  "ps_max_shards"):
       _non_negative(name, getattr(self, name))
     _positive("learning_rate", self.learning_rate)
+    _positive("sidecar_timeout", self.sidecar_timeout)
     _require(all(d > 0 for d in self.synthetic_shape),
              f"synthetic_shape dims must be > 0. Received: "
              f"synthetic_shape={self.synthetic_shape}")

@@ -4,7 +4,9 @@ The data ships inside scikit-learn, so preparing it needs no network.
 """
 
 import contextlib
+import fcntl
 import io
+import os
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -54,10 +56,17 @@ class Digits(tfds.core.GeneratorBasedBuilder):
 
 
 def prepare(data_dir):
-  """Prepares `digits` in `data_dir` (a no-op once done) and returns it."""
-  builder = Digits(data_dir=data_dir)
-  # tfds prints "Downloading ..." to stdout; nothing is downloaded here.
-  with contextlib.redirect_stdout(io.StringIO()):
-    builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(num_shards=NUM_SHARDS))
+  """Prepares `digits` in `data_dir` (a no-op once done) and returns it.
+
+  A file lock makes the tasks of a local cluster, which all start at once,
+  prepare it one after the other instead of racing.
+  """
+  os.makedirs(data_dir, exist_ok=True)
+  with open(os.path.join(data_dir, ".digits.lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    builder = Digits(data_dir=data_dir)
+    # tfds prints "Downloading ..." to stdout; nothing is downloaded here.
+    with contextlib.redirect_stdout(io.StringIO()):
+      builder.download_and_prepare(
+          download_config=tfds.download.DownloadConfig(num_shards=NUM_SHARDS))
   return builder

@@ -1,5 +1,6 @@
 """Runs one training job from a Config: devices, strategy, data, Trainer."""
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -36,12 +37,22 @@ def start_tensorflow(config, *, tf_config=None, show_native_logs=False):
     if _is_ps_server(config, tf_config):
       from tfdist import ps_server  # pylint: disable=g-import-not-at-top
       return ps_server.start_server(tf_config)
+    evaluator = _is_evaluator(tf_config)
+    if evaluator:
+      # The sidecar evaluator trains nothing: one local device, no cluster.
+      config, tf_config = dataclasses.replace(config, strategy="default"), None
     info = strategies.create_strategy(config, tf_config=tf_config)
+    if config.strategy == "default" and evaluator:
+      info = dataclasses.replace(info, reason="sidecar evaluator")
     tf.config.list_logical_devices()
   logging.info("Strategy: %s (%s), %d replica(s)%s.", info.name, info.reason,
                info.num_replicas,
                f", {info.num_workers} workers" if info.coordinator else "")
   return info
+
+
+def _is_evaluator(tf_config):
+  return tf_config is not None and tf_config.task_type == "evaluator"
 
 
 def _is_ps_server(config, tf_config):
@@ -74,10 +85,25 @@ def run(config, *, tf_config=None, show_native_logs=False):
   try:
     trainer = trainer_lib.Trainer(config=config, strategy_info=info,
                                   dataset=dataset, write_dir=write_dir)
+    if _is_evaluator(tf_config):
+      return _run_sidecar(trainer, config)
     return trainer.run()
   finally:
     if write_dir != config.model_dir:
       shutil.rmtree(write_dir, ignore_errors=True)
+
+
+def _run_sidecar(trainer, config):
+  logging.info("Sidecar evaluator: watching %s for checkpoints up to step "
+               "%d.", config.model_dir, config.train_steps)
+  metrics = trainer.evaluate_checkpoints(
+      timeout_seconds=config.sidecar_timeout)
+  if metrics is None:
+    raise TfdistError(f"sidecar evaluator: no checkpoint at step "
+                      f"{config.train_steps} appeared in {config.model_dir} "
+                      f"within {config.sidecar_timeout:g}s.")
+  logging.info("Sidecar evaluator done at step %d.", trainer.step)
+  return None
 
 
 def summary_lines(config, result):

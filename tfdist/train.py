@@ -69,6 +69,9 @@ flags.DEFINE_integer("ps_shard_min_bytes", 256 << 10,
 flags.DEFINE_integer("ps_max_shards", 0,
                      "parameter_server: most shards per variable; 0: the "
                      "number of ps tasks.")
+flags.DEFINE_float("sidecar_timeout", 600.0,
+                   "evaluator task: give up when no new checkpoint appears "
+                   "for this many seconds.")
 flags.DEFINE_boolean("native_logs", False,
                      "Show TensorFlow's native start-up logs (also on with "
                      "--verbosity>=1).")
@@ -109,7 +112,8 @@ def config_from_flags():
       allreduce_dtype=FLAGS.allreduce_dtype,
       check_replicas_every=FLAGS.check_replicas_every,
       ps_shard_min_bytes=FLAGS.ps_shard_min_bytes,
-      ps_max_shards=FLAGS.ps_max_shards)
+      ps_max_shards=FLAGS.ps_max_shards,
+      sidecar_timeout=FLAGS.sidecar_timeout)
 
 
 def _fail(message, exit_code=2):
@@ -164,7 +168,7 @@ def main(argv):
                      show_native_logs=show_native)
   except TfdistError as e:
     _fail(str(e), e.exit_code)
-  if result is None:  # A ps or worker task of a parameter-server job.
+  if result is None:  # A serving task (ps, PS worker) or the evaluator.
     return
   for line in run.summary_lines(config, result):
     print(line, flush=True)

@@ -206,6 +206,25 @@ class Trainer:
                                            ("loss", "accuracy")})
     return metrics
 
+  def evaluate_checkpoints(self, *, timeout_seconds):
+    """Sidecar evaluator: evaluates each new checkpoint in model_dir until
+    one at train_steps; returns the last metrics, or None on timeout."""
+    metrics = None
+    for path in tf.train.checkpoints_iterator(
+        self._config.model_dir, min_interval_secs=1,
+        timeout=timeout_seconds):
+      try:
+        self._checkpoints.restore_path(path)
+      except checkpoints.UNREADABLE as e:
+        logging.warning("Skipping unreadable checkpoint %s (%s).", path,
+                        str(e).splitlines()[0][:160])
+        continue
+      metrics = self.evaluate(self.step)
+      if self.step >= self._config.train_steps:
+        break
+    self._summaries.close()
+    return metrics
+
   # The outer loop -----------------------------------------------------
 
   def _boundaries(self, step):
