@@ -14,11 +14,11 @@ Needs root (ip netns) and iproute2.
 
 import os
 import subprocess
-import sys
-import time
 
 from absl import app
 from absl import flags
+
+from tools import jobs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("short", 200, "Steps of the short run.")
@@ -28,9 +28,6 @@ flags.DEFINE_string("model", "mlp", "Model from the zoo.")
 flags.DEFINE_integer("batch_size", 64, "Global batch.")
 flags.DEFINE_list("dtypes", ["float32", "float16"], "allreduce_dtype values.")
 flags.DEFINE_string("data_dir", "~/tensorflow_datasets", "tfds data_dir.")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 class Namespace:
   """A network namespace with only a loopback device, removed on exit."""
@@ -65,25 +62,20 @@ def _gradient_bytes(model, dtype):
   return sum(int(w.numpy().size) for w in built.trainable_weights) * per_value
 
 
-def _train(ns, model_dir, steps, dtype):
-  argv = [sys.executable, "-m", "launch.local", f"--workers={FLAGS.workers}",
-          "--", "--strategy=multi_worker_mirrored", f"--model={FLAGS.model}",
-          "--dataset=digits", f"--data_dir={FLAGS.data_dir}",
-          f"--batch_size={FLAGS.batch_size}", f"--train_steps={steps}",
-          "--steps_per_loop=50", "--log_every=1000000", "--eval_every=0",
-          "--checkpoint_every=0", "--noexport", f"--model_dir={model_dir}",
-          f"--allreduce_dtype={dtype}", "--all_reduce_alg=ring"]
-  before, start = ns.tx_bytes(), time.perf_counter()
-  proc = ns.run(argv, cwd=ROOT, capture_output=True, text=True)
-  seconds, sent = time.perf_counter() - start, ns.tx_bytes() - before
-  if proc.returncode:
-    sys.exit(f"training failed:\n{proc.stdout[-3000:]}")
-  return sent, seconds
+def _train(ns, steps, dtype):
+  before = ns.tx_bytes()
+  seconds = jobs.run_job(
+      [f"--workers={FLAGS.workers}"],
+      ["--strategy=multi_worker_mirrored", f"--model={FLAGS.model}",
+       "--dataset=digits", f"--data_dir={FLAGS.data_dir}",
+       f"--batch_size={FLAGS.batch_size}", "--steps_per_loop=50",
+       f"--allreduce_dtype={dtype}", "--all_reduce_alg=ring"],
+      steps=steps, prefix=("ip", "netns", "exec", ns.name))
+  return ns.tx_bytes() - before, seconds
 
 
 def main(argv):
   del argv
-  import tempfile  # pylint: disable=g-import-not-at-top
   n = FLAGS.workers
   print(f"{n} workers, model {FLAGS.model}, batch {FLAGS.batch_size}, "
         f"runs of {FLAGS.short} and {FLAGS.long} steps, loopback in a "
@@ -95,10 +87,8 @@ def main(argv):
   print("|---|---:|---:|---:|---:|---:|")
   with Namespace() as ns:
     for dtype in FLAGS.dtypes:
-      runs = {}
-      for steps in (FLAGS.short, FLAGS.long):
-        with tempfile.TemporaryDirectory() as model_dir:
-          runs[steps] = _train(ns, model_dir, steps, dtype)
+      runs = {steps: _train(ns, steps, dtype)
+              for steps in (FLAGS.short, FLAGS.long)}
       extra_steps = FLAGS.long - FLAGS.short
       per_step = (runs[FLAGS.long][0] - runs[FLAGS.short][0]) / extra_steps
       per_worker = per_step / n
