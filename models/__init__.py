@@ -27,18 +27,26 @@ def check_name(name):
                       f"Valid: {', '.join(names())}.")
 
 
-def build(name, *, input_shape, num_classes, partitioner=None):
+def build(name, *, input_shape, num_classes, partitioner=None,
+          tensor_parallel_devices=None):
   """Builds an uncompiled Keras model that outputs float32 logits.
 
-  `partitioner` (a tf.distribute partitioner) reaches the models that can
-  shard a big variable across parameter servers; the others ignore it.
+  Chain models (mlp, transformer) come back as an unbuilt keras.Sequential
+  of named blocks, so that a placement plan can put blocks on devices
+  before their variables exist. `partitioner` (PS sharding) and
+  `tensor_parallel_devices` reach the builders that take them.
   """
   check_name(name)
   module, function = _REGISTRY[name]
   builder = getattr(importlib.import_module(module), function)
+  accepted = inspect.signature(builder).parameters
   options = {}
-  if partitioner is not None and "partitioner" in inspect.signature(
-      builder).parameters:
+  if partitioner is not None and "partitioner" in accepted:
     options["partitioner"] = partitioner
+  if tensor_parallel_devices:
+    if "tensor_parallel_devices" not in accepted:
+      raise ConfigError(f"model {name!r} has no tensor-parallel form; "
+                        "use mlp or transformer.")
+    options["tensor_parallel_devices"] = list(tensor_parallel_devices)
   return builder(input_shape=tuple(input_shape), num_classes=num_classes,
                  **options)

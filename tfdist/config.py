@@ -11,6 +11,7 @@ MIXED_PRECISION = ("none", "mixed_float16", "mixed_bfloat16")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "rmsprop")
 ALL_REDUCE_ALGS = ("auto", "ring", "nccl")
 ALLREDUCE_DTYPES = ("float32", "float16", "bfloat16")
+MODEL_PARALLEL = ("none", "pipeline", "tensor")
 
 
 def _require(ok, message):
@@ -68,6 +69,11 @@ class Config:
   ps_shard_min_bytes: int = 256 << 10
   ps_max_shards: int = 0
   sidecar_timeout: float = 600.0
+  model_parallel: str = "none"
+  num_stages: int = 2
+  tensor_parallel: int = 2
+  num_microbatches: int = 1
+  placement: str = ""
 
   def __post_init__(self):
     _require(bool(self.model_dir), "--model_dir is required.")
@@ -76,8 +82,10 @@ class Config:
     _choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
     _choice("all_reduce_alg", self.all_reduce_alg, ALL_REDUCE_ALGS)
     _choice("allreduce_dtype", self.allreduce_dtype, ALLREDUCE_DTYPES)
+    _choice("model_parallel", self.model_parallel, MODEL_PARALLEL)
     for name in ("batch_size", "train_steps", "steps_per_loop", "log_every",
-                 "num_cpu_devices", "keep_checkpoints", "synthetic_classes"):
+                 "num_cpu_devices", "keep_checkpoints", "synthetic_classes",
+                 "num_stages", "tensor_parallel", "num_microbatches"):
       _positive(name, getattr(self, name))
     for name in ("eval_every", "eval_steps", "checkpoint_every",
                  "num_replicas", "bytes_per_pack", "collective_timeout",

@@ -47,8 +47,8 @@ def configure_cpu_devices(num_devices):
                       f"{e}") from None
 
 
-def choose_auto(*, tf_config, num_gpus, num_cpu_devices, num_tpus=0
-                ) -> Tuple[str, str]:
+def choose_auto(*, tf_config, num_gpus, num_cpu_devices, num_tpus=0,
+                model_parallel="none") -> Tuple[str, str]:
   """Returns (strategy name, reason) for --strategy=auto. Pure."""
   cluster = tf_config.cluster if tf_config else {}
   if cluster.get("ps"):
@@ -57,6 +57,9 @@ def choose_auto(*, tf_config, num_gpus, num_cpu_devices, num_tpus=0
   if trainers > 1:
     return ("multi_worker_mirrored",
             f"TF_CONFIG lists {trainers} chief/worker tasks")
+  if model_parallel != "none":
+    return "default", (f"--model_parallel={model_parallel} spreads one "
+                       "replica over the local devices")
   if num_tpus:
     return "tpu", f"{num_tpus} TPU cores are visible"
   if num_gpus > 1:
@@ -164,7 +167,8 @@ def create_strategy(config, *, tf_config=None) -> StrategyInfo:
     name, reason = choose_auto(
         tf_config=tf_config,
         num_gpus=len(tf.config.list_physical_devices("GPU")),
-        num_cpu_devices=config.num_cpu_devices)
+        num_cpu_devices=config.num_cpu_devices,
+        model_parallel=config.model_parallel)
   if name == "default":
     strategy = tf.distribute.get_strategy()
   elif name == "one_device":

@@ -72,6 +72,17 @@ flags.DEFINE_integer("ps_max_shards", 0,
 flags.DEFINE_float("sidecar_timeout", 600.0,
                    "evaluator task: give up when no new checkpoint appears "
                    "for this many seconds.")
+flags.DEFINE_enum("model_parallel", "none", config_lib.MODEL_PARALLEL,
+                  "Split each replica's model over local devices: pipeline "
+                  "stages or tensor-parallel layers.")
+flags.DEFINE_integer("num_stages", 2, "pipeline: number of stages.")
+flags.DEFINE_integer("tensor_parallel", 2,
+                     "tensor: devices each split layer spans.")
+flags.DEFINE_integer("num_microbatches", 1,
+                     "pipeline: micro-batches per replica batch (GPipe).")
+flags.DEFINE_string("placement", "",
+                    "pipeline: 'pattern=device;...' or a JSON file "
+                    "{pattern: device}; empty: balanced automatic stages.")
 flags.DEFINE_boolean("native_logs", False,
                      "Show TensorFlow's native start-up logs (also on with "
                      "--verbosity>=1).")
@@ -113,7 +124,10 @@ def config_from_flags():
       check_replicas_every=FLAGS.check_replicas_every,
       ps_shard_min_bytes=FLAGS.ps_shard_min_bytes,
       ps_max_shards=FLAGS.ps_max_shards,
-      sidecar_timeout=FLAGS.sidecar_timeout)
+      sidecar_timeout=FLAGS.sidecar_timeout,
+      model_parallel=FLAGS.model_parallel, num_stages=FLAGS.num_stages,
+      tensor_parallel=FLAGS.tensor_parallel,
+      num_microbatches=FLAGS.num_microbatches, placement=FLAGS.placement)
 
 
 def _fail(message, exit_code=2):

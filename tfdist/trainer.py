@@ -21,6 +21,7 @@ from tfdist import compression
 from tfdist import data
 from tfdist import export
 from tfdist import optimizers
+from tfdist import placement
 from tfdist import replica_check
 from tfdist import runners
 from tfdist import steps
@@ -118,10 +119,7 @@ class Trainer:
         else config.mixed_precision)
     keras.utils.set_random_seed(config.seed)
     with self._strategy.scope():
-      self.model = models.build(config.model,
-                                input_shape=self._dataset.input_shape,
-                                num_classes=self._dataset.num_classes,
-                                partitioner=self._info.partitioner)
+      self.model = self._build_model()
       self.optimizer = optimizers.create(
           config.optimizer, learning_rate=config.learning_rate,
           mixed_precision=config.mixed_precision)
@@ -150,8 +148,69 @@ class Trainer:
                              if config.check_replicas_every else None)
     if self._info.coordinator:
       self._log_placement()
+    if config.model_parallel != "none":
+      for device, size in placement.bytes_per_device(self.model).items():
+        logging.info("variable bytes on %s: %d", device, size)
     self._runner.watch_preemption(
         save_fn=lambda: self._save(self.step), step_fn=lambda: self.step)
+
+  def _build_model(self):
+    """Builds the model's variables, on the devices the plan names."""
+    config, shape = self._config, self._dataset.input_shape
+    placement.check_strategy(config.model_parallel, self._info.name)
+    devices = placement.local_devices()
+    tensor_devices = None
+    if config.model_parallel == "tensor":
+      if config.tensor_parallel > len(devices):
+        raise ConfigError(
+            f"tensor_parallel={config.tensor_parallel} needs that many "
+            f"devices; only {len(devices)} exist ({', '.join(devices)}). "
+            "Raise --num_cpu_devices.")
+      tensor_devices = devices[:config.tensor_parallel]
+    model = models.build(config.model, input_shape=shape,
+                         num_classes=self._dataset.num_classes,
+                         partitioner=self._info.partitioner,
+                         tensor_parallel_devices=tensor_devices)
+    if config.model_parallel != "pipeline":
+      if not model.built:
+        placement.build_blocks(model.layers, shape)
+      return model
+    return self._pipeline(model, devices)
+
+  def _pipeline(self, model, devices):
+    config = self._config
+    if not isinstance(model, keras.Sequential):
+      raise ConfigError(f"model {config.model!r} is not a chain of blocks "
+                        "and cannot be split into pipeline stages; use mlp "
+                        "or transformer.")
+    per_replica = config.batch_size // self._info.num_replicas
+    if per_replica % config.num_microbatches:
+      raise ConfigError(
+          "num_microbatches must divide the per-replica batch. Received: "
+          f"num_microbatches={config.num_microbatches} for a per-replica "
+          f"batch of {per_replica}")
+    # Build once where TF likes, only to weigh the blocks for the plan...
+    placement.build_blocks(model.layers, self._dataset.input_shape)
+    sizes = [(b.name, sum(int(np.prod(w.shape)) for w in b.weights))
+             for b in model.layers]
+    if config.placement:
+      plan = placement.plan_from_spec(placement.parse_spec(config.placement),
+                                      [name for name, _ in sizes])
+      placement.check_devices([s.device for s in plan.stages], devices)
+    else:
+      plan = placement.auto_plan(sizes, devices, config.num_stages)
+    # ...then again, from the same seed, with each block on its device.
+    keras.utils.set_random_seed(config.seed)
+    blocks = list(models.build(
+        config.model, input_shape=self._dataset.input_shape,
+        num_classes=self._dataset.num_classes).layers)
+    placement.build_blocks(blocks, self._dataset.input_shape, plan)
+    pipelined = placement.PipelinedModel(blocks, plan,
+                                         config.num_microbatches,
+                                         name=f"{config.model}_pipeline")
+    for line in placement.table(plan, {b.name: b for b in blocks}):
+      logging.info("placement %s", line)
+    return pipelined
 
   # Public --------------------------------------------------------------
 
@@ -161,6 +220,10 @@ class Trainer:
     started = time.perf_counter()
     self.restore()
     self._summaries.hparams(config.to_dict())
+    if config.model_parallel != "none":
+      self._summaries.scalars("train", self.step, {
+          f"variable_bytes/{device}": size for device, size in
+          placement.bytes_per_device(self.model).items()})
     train_metrics = {}
     try:
       if self.step < config.train_steps:
