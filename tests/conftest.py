@@ -5,8 +5,15 @@ import subprocess
 import sys
 
 import pytest
+import tensorflow as tf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# In-process tests get 4 logical CPUs (tensor-parallel layers need several);
+# this must happen before anything starts the TF runtime.
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0],
+    [tf.config.LogicalDeviceConfiguration()] * 4)
 
 
 def run_cli(*args, timeout=300, env=None, check=True):

@@ -46,7 +46,30 @@ CASES = {
     "missing_flagfile": (["--flagfile=configs/does_not_exist.cfg"],
                          "Unable to open flagfile"),
     "no_tpu": (["--strategy=tpu", "--tpu=local"], "no TPU found at 'local'"),
-    "not_yet_ps": (["--strategy=parameter_server"], "not yet supported"),
+    "ps_without_cluster": (["--strategy=parameter_server"],
+                           "needs a TF_CONFIG with chief, worker and ps"),
+    "pipeline_under_mirrored": (
+        ["--strategy=mirrored", "--num_cpu_devices=2",
+         "--model_parallel=pipeline"],
+        "needs a strategy whose replica can span local devices"),
+    "more_stages_than_blocks": (
+        ["--model_parallel=pipeline", "--num_cpu_devices=4",
+         "--num_stages=5"], "num_stages=5 is more than the model's 4 blocks"),
+    "stages_without_devices": (
+        ["--model_parallel=pipeline", "--num_stages=2"],
+        "num_stages=2 needs 2 devices; only 1 exist"),
+    "tensor_parallel_width": (
+        ["--model_parallel=tensor", "--num_cpu_devices=3",
+         "--tensor_parallel=3"],
+        "tensor_parallel=3 must divide the tp_mlp_column output width"),
+    "microbatches_divide": (
+        ["--model_parallel=pipeline", "--num_cpu_devices=2",
+         "--num_microbatches=5"],
+        "Received: num_microbatches=5 for a per-replica batch of 64"),
+    "placement_missing_device": (
+        ["--model_parallel=pipeline", "--num_cpu_devices=2",
+         "--placement=flatten=/device:CPU:0;*=/device:CPU:7"],
+        "placement names device '/device:CPU:7', which does not exist"),
 }
 
 
