@@ -28,7 +28,8 @@ def mlp(*, input_shape, num_classes, hidden=(256, 256),
   return keras.Sequential(blocks, name="mlp")
 
 
-def mlp_wide(*, input_shape, num_classes):
-  """Wide enough to be compute-bound: used by the FLOP/s benchmark."""
+def mlp_wide(*, input_shape, num_classes, tensor_parallel_devices=None):
+  """Wide enough to be compute-bound: used by the benchmarks."""
   return mlp(input_shape=input_shape, num_classes=num_classes,
-             hidden=(2048, 2048))
+             hidden=(2048, 2048),
+             tensor_parallel_devices=tensor_parallel_devices)

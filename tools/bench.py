@@ -11,12 +11,13 @@ MLP with the FLOP/s of a raw tf.matmul measured in the same run.
 import dataclasses
 import os
 import statistics
-import tempfile
 import time
 
 from absl import app
 from absl import flags
 from absl import logging
+
+from tools import inprocess
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("rounds", 5, "Interleaved rounds per contender.")
@@ -25,29 +26,6 @@ flags.DEFINE_integer("steps_per_loop", 32, "Steps per tf.function call.")
 flags.DEFINE_integer("batch_size", 256, "Global batch (small MLP).")
 flags.DEFINE_integer("flops_steps", 20, "Steps per round (wide MLP).")
 flags.DEFINE_integer("flops_batch_size", 512, "Global batch (wide MLP).")
-
-
-_SCRATCH = []  # Removed when the process exits.
-
-
-def _config(**overrides):
-  from tfdist import config as config_lib
-  _SCRATCH.append(tempfile.TemporaryDirectory(prefix="tfdist-bench-"))
-  base = dict(model_dir=_SCRATCH[-1].name,
-              strategy="default", dataset="synthetic", train_steps=10**9,
-              eval_every=0, checkpoint_every=0, log_every=10**9, export=False,
-              optimizer="adam", learning_rate=1e-3)
-  return config_lib.Config(**{**base, **overrides})
-
-
-def _tfdist_contender(config, info, dataset):
-  from tfdist import trainer as trainer_lib
-  trainer = trainer_lib.Trainer(config=config, strategy_info=info,
-                                dataset=dataset)
-
-  def run(steps):
-    trainer.train(trainer.step + steps)
-  return run
 
 
 def _handwritten_contender(config, info, dataset):
@@ -112,19 +90,6 @@ def _fit_contender(config, info, dataset, jit_compile="auto"):
   return run
 
 
-def _measure(contenders, steps, rounds):
-  """Median steps/sec of each contender over interleaved rounds."""
-  for run in contenders.values():
-    run(steps)  # Warm-up: tracing and first-call costs.
-  rates = {name: [] for name in contenders}
-  for _ in range(rounds):
-    for name, run in contenders.items():
-      start = time.perf_counter()
-      run(steps)
-      rates[name].append(steps / (time.perf_counter() - start))
-  return {name: statistics.median(r) for name, r in rates.items()}
-
-
 def _training_flops_per_example(model):
   """Dense layers: forward 2*MACs, weight grads 2*MACs, input grads 2*MACs
   except for the first layer, whose input needs no gradient."""
@@ -158,7 +123,7 @@ def main(argv):
   del argv
   from tfdist import run as run_lib
   logging.set_verbosity(logging.WARNING)
-  small = _config(model="mlp", synthetic_shape=(8, 8, 1),
+  small = inprocess.bench_config(model="mlp", synthetic_shape=(8, 8, 1),
                   batch_size=FLAGS.batch_size,
                   steps_per_loop=FLAGS.steps_per_loop)
   info = run_lib.start_tensorflow(small)
@@ -167,16 +132,16 @@ def main(argv):
   dataset = data.load(small)
   jit = dataclasses.replace(small, jit_compile=True)
   contenders = {
-      "tfdist": _tfdist_contender(small, info, dataset),
+      "tfdist": inprocess.tfdist_contender(small, info, dataset),
       "hand-written loop": _handwritten_contender(small, info, dataset),
       "keras fit, jit_compile=False": _fit_contender(small, info, dataset,
                                                      jit_compile=False),
-      "tfdist --jit_compile": _tfdist_contender(jit, info, dataset),
+      "tfdist --jit_compile": inprocess.tfdist_contender(jit, info, dataset),
       "keras fit, jit_compile=auto (XLA)": _fit_contender(small, info,
                                                           dataset),
   }
   steps = FLAGS.steps - FLAGS.steps % FLAGS.steps_per_loop
-  rates = _measure(contenders, steps, FLAGS.rounds)
+  rates = inprocess.measure(contenders, steps, FLAGS.rounds)
   print(f"\nSmall MLP 64-256-256-10, batch {small.batch_size}, "
         f"steps_per_loop {small.steps_per_loop}, {FLAGS.rounds} rounds of "
         f"{steps} steps, medians:")
@@ -186,11 +151,11 @@ def main(argv):
     print(f"| {name} | {rate:.0f} | {rates['tfdist'] / rate:.3f} | "
           f"{rates['tfdist --jit_compile'] / rate:.3f} |")
 
-  wide = _config(model="mlp_wide", synthetic_shape=(32, 32, 1),
+  wide = inprocess.bench_config(model="mlp_wide", synthetic_shape=(32, 32, 1),
                  batch_size=FLAGS.flops_batch_size, steps_per_loop=10)
   wide_data = data.load(wide)
-  trainer_run = _tfdist_contender(wide, info, wide_data)
-  rate = _measure({"tfdist": trainer_run}, FLAGS.flops_steps,
+  trainer_run = inprocess.tfdist_contender(wide, info, wide_data)
+  rate = inprocess.measure({"tfdist": trainer_run}, FLAGS.flops_steps,
                   FLAGS.rounds)["tfdist"]
   import models
   model = models.build("mlp_wide", input_shape=(32, 32, 1), num_classes=10)
