@@ -82,14 +82,18 @@ def task_commands(description: ClusterDescription, *,
           for (role, index), config in configs.items()]
 
 
-def task_env(description: ClusterDescription, tf_config: dict):
-  """The environment a task needs besides the launcher's own."""
-  env = {"TF_CONFIG": json.dumps(tf_config)}
+def role_env(description: ClusterDescription) -> Dict[str, str]:
+  """Environment every task of the job needs, TF_CONFIG aside."""
   if description.ps:
     # TF's PS guide: fail RPCs to a lost worker fast so the coordinator
     # re-dispatches its closures instead of waiting.
-    env["GRPC_FAIL_FAST"] = "use_caller"
-  return env
+    return {"GRPC_FAIL_FAST": "use_caller"}
+  return {}
+
+
+def task_env(description: ClusterDescription, tf_config: dict):
+  """The environment a task needs besides the launcher's own."""
+  return {"TF_CONFIG": json.dumps(tf_config), **role_env(description)}
 
 
 def restarts_alone(description: ClusterDescription, role: str) -> bool:

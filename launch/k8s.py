@@ -1,0 +1,206 @@
+"""Kubernetes manifests for a tfdist job, printed as YAML.
+
+python -m launch.k8s --name=JOB --image=IMAGE [--chief] --workers=N
+    [--ps=M] [--evaluator] [--gpus_per_worker=G] [--cpu=2] [--memory=4Gi]
+    [--namespace=NS] [--port=2222] [--format=jobs|tfjob] [--output=FILE]
+    -- <tfdist.train flags>
+
+--format=jobs (default) writes, for `kubectl apply -f`:
+- a headless Service whose name is the pods' subdomain, so task i of a role
+  is reachable as <job>-<role>-<i>.<job>:<port>;
+- one Indexed Job per role (completions = parallelism = replicas,
+  restartPolicy OnFailure, a backoffLimit). Each pod computes its TF_CONFIG
+  at start from its role and JOB_COMPLETION_INDEX with launch.task_config;
+- a NetworkPolicy that admits the training port only from pods of the same
+  job: TF's gRPC servers have no authentication.
+--format=tfjob writes a Kubeflow TFJob; its operator sets TF_CONFIG.
+"""
+
+import argparse
+import json
+import re
+import shlex
+import sys
+
+import yaml
+
+from launch import description
+
+ROLE_LABEL = "tfdist.dev/role"
+JOB_LABEL = "tfdist.dev/job"
+TFJOB_ROLES = {"chief": "Chief", "worker": "Worker", "ps": "PS",
+               "evaluator": "Evaluator"}
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(prog="python -m launch.k8s")
+  description.add_arguments(parser)
+  parser.add_argument("--name", required=True, help="Job name (DNS label).")
+  parser.add_argument("--image", required=True, help="Container image.")
+  parser.add_argument("--namespace", default=None)
+  parser.add_argument("--port", type=int, default=2222)
+  parser.add_argument("--gpus_per_worker", type=int, default=0)
+  parser.add_argument("--cpu", default=None, help="CPU request and limit.")
+  parser.add_argument("--memory", default=None,
+                      help="Memory request and limit, e.g. 4Gi.")
+  parser.add_argument("--backoff_limit", type=int, default=6,
+                      help="Pod restarts a Job allows before it fails.")
+  parser.add_argument("--format", choices=("jobs", "tfjob"), default="jobs")
+  parser.add_argument("--output", default=None, help="Write here, not "
+                      "stdout.")
+  parser.add_argument("train_args", nargs=argparse.REMAINDER)
+  args = parser.parse_args(argv)
+  if args.train_args[:1] == ["--"]:
+    args.train_args = args.train_args[1:]
+  # Room for "-<role>-<index>" in a 63-character pod hostname.
+  if not re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", args.name):
+    parser.error(f"--name must be a lowercase DNS label of at most 40 "
+                 f"characters. Received: {args.name!r}")
+  try:
+    args.cluster = description.from_args(args)
+  except ValueError as e:
+    parser.error(str(e))
+  return args
+
+
+def addresses(args):
+  """Stable pod DNS names: <job>-<role>-<index>.<service>:<port>."""
+  return {role: [f"{args.name}-{role}-{i}.{args.name}:{args.port}"
+                 for i in range(count)]
+          for role, count in args.cluster.counts().items()}
+
+
+def _metadata(args, name, role=None):
+  labels = {JOB_LABEL: args.name}
+  if role:
+    labels[ROLE_LABEL] = role
+  meta = {"name": name, "labels": labels}
+  if args.namespace:
+    meta["namespace"] = args.namespace
+  return meta
+
+
+def _resources(args, role):
+  amounts = {}
+  if args.cpu:
+    amounts["cpu"] = args.cpu
+  if args.memory:
+    amounts["memory"] = args.memory
+  limits = dict(amounts)
+  if args.gpus_per_worker and role in ("chief", "worker"):
+    limits["nvidia.com/gpu"] = args.gpus_per_worker
+  resources = {}
+  if amounts:
+    resources["requests"] = amounts
+  if limits:
+    resources["limits"] = limits
+  return resources
+
+
+def start_script(train_args):
+  """The container command: TF_CONFIG from role and index, then train."""
+  # A bare assignment takes the exit status of its $(...): a bad cluster
+  # stops the pod here instead of starting TF without a TF_CONFIG.
+  return ('TF_CONFIG="$(python -m launch.task_config '
+          '--cluster "$TFDIST_CLUSTER" --role "$TFDIST_ROLE" '
+          '--index "$JOB_COMPLETION_INDEX")" && export TF_CONFIG && '
+          'exec python -m tfdist.train '
+          + " ".join(shlex.quote(a) for a in train_args))
+
+
+def _container(args, role, cluster_json):
+  env = [{"name": "TFDIST_CLUSTER", "value": cluster_json},
+         {"name": "TFDIST_ROLE", "value": role}]
+  env += [{"name": k, "value": v}
+          for k, v in description.role_env(args.cluster).items()]
+  container = {
+      "name": "tfdist", "image": args.image,
+      "command": ["sh", "-c", start_script(args.train_args)],
+      "env": env,
+      "ports": [{"name": "grpc", "containerPort": args.port}],
+  }
+  resources = _resources(args, role)
+  if resources:
+    container["resources"] = resources
+  return container
+
+
+def job_manifests(args):
+  cluster_json = json.dumps(addresses(args), separators=(",", ":"))
+  docs = [{
+      "apiVersion": "v1", "kind": "Service",
+      "metadata": _metadata(args, args.name),
+      "spec": {"clusterIP": "None", "selector": {JOB_LABEL: args.name},
+               # TF tasks must resolve each other before they are ready.
+               "publishNotReadyAddresses": True,
+               "ports": [{"name": "grpc", "port": args.port,
+                          "targetPort": args.port}]},
+  }]
+  for role, count in args.cluster.counts().items():
+    docs.append({
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": _metadata(args, f"{args.name}-{role}", role),
+        "spec": {
+            "completionMode": "Indexed", "completions": count,
+            "parallelism": count, "backoffLimit": args.backoff_limit,
+            "template": {
+                "metadata": {"labels": {JOB_LABEL: args.name,
+                                        ROLE_LABEL: role}},
+                "spec": {"subdomain": args.name,
+                         "restartPolicy": "OnFailure",
+                         "containers": [_container(args, role,
+                                                   cluster_json)]},
+            },
+        },
+    })
+  docs.append({
+      "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+      "metadata": _metadata(args, f"{args.name}-grpc"),
+      "spec": {"podSelector": {"matchLabels": {JOB_LABEL: args.name}},
+               "policyTypes": ["Ingress"],
+               "ingress": [{"from": [{"podSelector": {"matchLabels": {
+                   JOB_LABEL: args.name}}}],
+                            "ports": [{"protocol": "TCP",
+                                       "port": args.port}]}]},
+  })
+  return docs
+
+
+def tfjob_manifest(args):
+  specs = {}
+  for role, count in args.cluster.counts().items():
+    container = {
+        "name": "tensorflow", "image": args.image,
+        "command": ["python", "-m", "tfdist.train", *args.train_args],
+        "ports": [{"name": "tfjob-port", "containerPort": args.port}],
+    }
+    resources = _resources(args, role)
+    if resources:
+      container["resources"] = resources
+    specs[TFJOB_ROLES[role]] = {
+        "replicas": count, "restartPolicy": "OnFailure",
+        "template": {"spec": {"containers": [container]}}}
+  return [{"apiVersion": "kubeflow.org/v1", "kind": "TFJob",
+           "metadata": _metadata(args, args.name),
+           "spec": {"runPolicy": {"backoffLimit": args.backoff_limit},
+                    "tfReplicaSpecs": specs}}]
+
+
+def render(args):
+  docs = job_manifests(args) if args.format == "jobs" else tfjob_manifest(
+      args)
+  return yaml.safe_dump_all(docs, sort_keys=False)
+
+
+def main(argv=None):
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  text = render(args)
+  if args.output:
+    with open(args.output, "w") as f:
+      f.write(text)
+  else:
+    sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+  main()
