@@ -195,3 +195,75 @@ def to_env_lines(configs: Mapping[Tuple[str, int], dict]):
     lines.append("export TF_CONFIG='" + json.dumps(config, sort_keys=True,
                                                    separators=(",", ":")) + "'")
   return lines
+
+
+def expand_hostlist(hostlist: str) -> Tuple[str, ...]:
+  """Slurm's compressed host lists: 'n[01-03,7],gpu5' -> n01 n02 n03 n7 gpu5."""
+  hosts, depth, part = [], 0, ""
+  for char in hostlist + ",":
+    if char == "," and depth == 0:
+      if part:
+        hosts.extend(_expand_one(part))
+      part = ""
+      continue
+    depth += {"[": 1, "]": -1}.get(char, 0)
+    part += char
+  return tuple(hosts)
+
+
+def _expand_one(part):
+  if "[" not in part:
+    return [part]
+  prefix, _, rest = part.partition("[")
+  ranges, _, suffix = rest.partition("]")
+  names = []
+  for item in ranges.split(","):
+    start, _, end = item.partition("-")
+    for number in range(int(start), int(end or start) + 1):
+      names.append(f"{prefix}{number:0{len(start)}d}")
+  return [name + tail for name in names for tail in _expand_one(suffix)]
+
+
+def _tasks_per_node(spec: str) -> Tuple[int, ...]:
+  """SLURM_STEP_TASKS_PER_NODE: '2(x3),1' -> 2, 2, 2, 1."""
+  counts = []
+  for item in spec.split(","):
+    count, _, repeat = item.partition("(x")
+    counts.extend([int(count)] * int(repeat.rstrip(")") or 1))
+  return tuple(counts)
+
+
+def tf_config_from_slurm(environ: Mapping[str, str], *, ps_tasks: int = 0,
+                         base_port: int = 0) -> TaskConfig:
+  """TF_CONFIG for this srun task, from Slurm's environment. Pure.
+
+  The first `ps_tasks` tasks are parameter servers; with ps tasks, the next
+  is the chief; the rest are workers. Task ports are base_port + the task's
+  local id on its node; base_port 0 derives one from the job id, so
+  concurrent jobs on a node do not collide.
+  """
+  if "SLURM_STEP_NODELIST" not in environ:
+    raise ClusterError("--cluster=slurm must run under srun: "
+                       "SLURM_STEP_NODELIST is unset (the batch script "
+                       "itself is not a task; use launch/slurm.sbatch).")
+  nodes = expand_hostlist(environ["SLURM_STEP_NODELIST"])
+  per_node = _tasks_per_node(environ["SLURM_STEP_TASKS_PER_NODE"])
+  num_tasks, rank = int(environ["SLURM_STEP_NUM_TASKS"]), int(
+      environ["SLURM_PROCID"])
+  if not 0 <= ps_tasks < num_tasks:
+    raise ClusterError(f"ps_tasks must leave at least one trainer. Received: "
+                       f"ps_tasks={ps_tasks} for {num_tasks} tasks")
+  if not base_port:
+    base_port = 20000 + int(environ.get("SLURM_JOB_ID", "0")) % 20000
+  addresses = [f"{node}:{base_port + local}"
+               for node, count in zip(nodes, per_node)
+               for local in range(count)]
+  roles = (["ps"] * ps_tasks + (["chief"] if ps_tasks else [])
+           + ["worker"] * num_tasks)[:num_tasks]
+  cluster: Dict[str, list] = {}
+  for role, address in zip(roles, addresses):
+    cluster.setdefault(role, []).append(address)
+  role = roles[rank]
+  index = roles[:rank].count(role)
+  return parse_tf_config({"cluster": cluster,
+                          "task": {"type": role, "index": index}})

@@ -83,6 +83,15 @@ flags.DEFINE_integer("num_microbatches", 1,
 flags.DEFINE_string("placement", "",
                     "pipeline: 'pattern=device;...' or a JSON file "
                     "{pattern: device}; empty: balanced automatic stages.")
+flags.DEFINE_enum("cluster", "env", ["env", "slurm"],
+                  "Where the cluster comes from: TF_CONFIG (env), or "
+                  "Slurm's srun environment (slurm).")
+flags.DEFINE_integer("ps_tasks", 0,
+                     "--cluster=slurm: the first N tasks are parameter "
+                     "servers and the next is the chief.")
+flags.DEFINE_integer("cluster_port", 0,
+                     "--cluster=slurm: first task port on each node; 0: "
+                     "derived from the job id.")
 flags.DEFINE_boolean("native_logs", False,
                      "Show TensorFlow's native start-up logs (also on with "
                      "--verbosity>=1).")
@@ -177,8 +186,7 @@ def main(argv):
   try:
     config = config_from_flags()
     from tfdist import run  # pylint: disable=g-import-not-at-top
-    result = run.run(config,
-                     tf_config=cluster.tf_config_from_env(os.environ),
+    result = run.run(config, tf_config=_cluster_from_flags(),
                      show_native_logs=show_native)
   except TfdistError as e:
     _fail(str(e), e.exit_code)
@@ -186,6 +194,13 @@ def main(argv):
     return
   for line in run.summary_lines(config, result):
     print(line, flush=True)
+
+
+def _cluster_from_flags():
+  if FLAGS.cluster == "slurm":
+    return cluster.tf_config_from_slurm(
+        os.environ, ps_tasks=FLAGS.ps_tasks, base_port=FLAGS.cluster_port)
+  return cluster.tf_config_from_env(os.environ)
 
 
 def run_cli():

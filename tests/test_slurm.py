@@ -1,0 +1,76 @@
+"""Slurm: TF_CONFIG from srun's environment (pure), and real jobs through
+launch/slurm.sbatch on a real one-node slurmctld/slurmd."""
+
+import os
+import sys
+
+import pytest
+
+import artifacts
+import slurm_cluster
+from conftest import ROOT
+from tfdist import cluster
+from tfdist.cluster import ClusterError
+
+
+def test_expand_hostlist():
+  assert cluster.expand_hostlist("n[01-03,7],gpu5") == (
+      "n01", "n02", "n03", "n7", "gpu5")
+  assert cluster.expand_hostlist("localhost") == ("localhost",)
+  assert cluster.expand_hostlist("a[1-2]-ib") == ("a1-ib", "a2-ib")
+
+
+def _srun_env(rank, nodes="n[1-2]", per_node="2(x2)", tasks=4):
+  return {"SLURM_STEP_NODELIST": nodes, "SLURM_STEP_TASKS_PER_NODE": per_node,
+          "SLURM_STEP_NUM_TASKS": str(tasks), "SLURM_PROCID": str(rank),
+          "SLURM_JOB_ID": "7"}
+
+
+def test_slurm_roles_ports_and_chief():
+  task = cluster.tf_config_from_slurm(_srun_env(3), ps_tasks=1,
+                                      base_port=5000)
+  assert task.cluster == {"ps": {0: "n1:5000"}, "chief": {0: "n1:5001"},
+                          "worker": {0: "n2:5000", 1: "n2:5001"}}
+  assert (task.task_type, task.task_index) == ("worker", 1)
+  first = cluster.tf_config_from_slurm(_srun_env(0), base_port=5000)
+  assert first.is_chief and first.task_type == "worker"
+  derived = cluster.tf_config_from_slurm(_srun_env(1))
+  assert derived.address == "n1:20008"  # 20000 + job id 7 + local id 1
+
+
+def test_outside_srun_is_a_clear_error():
+  with pytest.raises(ClusterError, match="must run under srun"):
+    cluster.tf_config_from_slurm({"SLURM_JOB_NODELIST": "n1",
+                                  "SLURM_PROCID": "0"})
+  with pytest.raises(ClusterError, match="ps_tasks=3 for 3 tasks"):
+    cluster.tf_config_from_slurm(_srun_env(0, tasks=3, per_node="3",
+                                           nodes="n1"), ps_tasks=3)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+  if not slurm_cluster.available():
+    pytest.skip("needs root and Debian's slurm-wlm + munge (.ci/run "
+                "installs them)")
+  with slurm_cluster.SlurmCluster(str(tmp_path_factory.mktemp("slurm"))) as c:
+    # sbatch exports the submit environment: this python is the one used.
+    c.env["PATH"] = (os.path.dirname(sys.executable) + os.pathsep +
+                     c.env["PATH"])
+    yield c
+
+
+@pytest.mark.parametrize("strategy,extra", [
+    ("multi_worker_mirrored", []),
+    ("parameter_server", ["--ps_tasks=1"]),
+], ids=["mwms", "ps"])
+def test_sbatch_job_completes(slurm, strategy, extra, tmp_path, data_dir):
+  model_dir = str(tmp_path / "run")
+  code, output = slurm.sbatch(
+      ["-N1", "-n3", "launch/slurm.sbatch", f"--strategy={strategy}",
+       *extra, f"--model_dir={model_dir}", f"--data_dir={data_dir}",
+       "--train_steps=60", "--steps_per_loop=10", "--eval_every=0",
+       "--batch_size=48"],
+      cwd=ROOT)
+  assert code == 0, output[-3000:]
+  assert "Finished at step 60/60" in output
+  assert artifacts.checkpoint_step(model_dir) == 60
