@@ -30,6 +30,18 @@ def parse_args(argv):
       prog="python -m launch.local",
       description="Run a tfdist job as local processes on 127.0.0.1.")
   description.add_arguments(parser)
+  add_restart_arguments(parser)
+  args = parser.parse_args(argv)
+  finish_args(parser, args)
+  try:
+    args.cluster = description.from_args(args)
+  except ValueError as e:
+    parser.error(str(e))
+  return args
+
+
+def add_restart_arguments(parser):
+  """Flags every process-starting launcher shares."""
   parser.add_argument("--max_restarts", type=int, default=0,
                       help="Relaunch the job this many times after a task "
                       "fails (default 0).")
@@ -42,17 +54,14 @@ def parse_args(argv):
                       "tfdist.train).")
   parser.add_argument("train_args", nargs=argparse.REMAINDER,
                       help="-- then the flags of the training program.")
-  args = parser.parse_args(argv)
+
+
+def finish_args(parser, args):
   if args.train_args and args.train_args[0] == "--":
     args.train_args = args.train_args[1:]
   if args.max_restarts < 0:
     parser.error(f"--max_restarts must be >= 0. Received: "
                  f"{args.max_restarts}")
-  try:
-    args.cluster = description.from_args(args)
-  except ValueError as e:
-    parser.error(str(e))
-  return args
 
 
 def _local_addresses(cluster):
@@ -62,11 +71,23 @@ def _local_addresses(cluster):
           for role, count in cluster.counts().items()}
 
 
-class Launcher:
-  """Runs the job, restarting it on failure; see the module docstring."""
+def local_tasks(args):
+  """Fresh free ports on 127.0.0.1 for every task, every attempt."""
+  return description.task_commands(
+      args.cluster, addresses=_local_addresses(args.cluster),
+      module=args.module, train_args=args.train_args)
 
-  def __init__(self, args, *, out=sys.stdout):
+
+class Launcher:
+  """Runs the job, restarting it on failure; see the module docstring.
+
+  `make_tasks(args)` gives the TaskSpecs of one attempt: local processes
+  here, ssh commands in launch.ssh.
+  """
+
+  def __init__(self, args, *, make_tasks=local_tasks, out=sys.stdout):
     self._args = args
+    self._make_tasks = make_tasks
     self._out = out
     self._signalled = None
     self._job = None
@@ -115,11 +136,7 @@ class Launcher:
     return bool(self._signalled)
 
   def _run_once(self, attempt):
-    addresses = _local_addresses(self._args.cluster)
-    tasks = description.task_commands(
-        self._args.cluster, addresses=addresses, module=self._args.module,
-        train_args=self._args.train_args)
-    self._job = processes.Job(tasks, out=self._out,
+    self._job = processes.Job(self._make_tasks(self._args), out=self._out,
                               grace_seconds=self._args.stop_grace_seconds,
                               log=self._log)
     self._job.start()
