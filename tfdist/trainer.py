@@ -95,6 +95,11 @@ class Trainer:
   def __init__(self, *, config, strategy_info, dataset, write_dir=None):
     check_batch_size(config.batch_size, strategy_info.num_replicas)
     check_jit_compile(config.jit_compile, strategy_info.strategy)
+    if config.check_replicas_every and strategy_info.coordinator:
+      raise ConfigError(
+          "--check_replicas_every compares replicas' copies of the weights; "
+          "under parameter_server there is one copy, on the ps tasks. "
+          f"Received: check_replicas_every={config.check_replicas_every}")
     self._config = config
     self._info = strategy_info
     self._dataset = dataset

@@ -38,6 +38,7 @@ def _handwritten_contender(config, info, dataset):
   with strategy.scope():
     model = models.build(config.model, input_shape=dataset.input_shape,
                          num_classes=dataset.num_classes)
+    model(tf.zeros([1, *dataset.input_shape]))  # Create the variables.
     optimizer = keras.optimizers.Adam(config.learning_rate)
     optimizer.build(model.trainable_variables)
   iterator = iter(strategy.distribute_datasets_from_function(
@@ -159,6 +160,7 @@ def main(argv):
                   FLAGS.rounds)["tfdist"]
   import models
   model = models.build("mlp_wide", input_shape=(32, 32, 1), num_classes=10)
+  model(tf.zeros([1, 32, 32, 1]))  # Create the variables to count them.
   achieved = rate * wide.batch_size * _training_flops_per_example(model)
   peak = _matmul_flops_per_sec(wide.batch_size, 2048)
   print(f"\nWide MLP 1024-2048-2048-10, batch {wide.batch_size}:")
