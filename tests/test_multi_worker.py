@@ -82,11 +82,15 @@ def test_replica_check_names_the_perturbed_worker(tmp_path, data_dir):
 
 
 def test_replica_check_passes_on_a_healthy_run(tmp_path, data_dir):
+  """Also runs the ring and packing communication options."""
   proc = run_launcher(
       ["--workers=2"], _train_args(tmp_path / "run", data_dir,
                                    "--train_steps=40",
-                                   "--check_replicas_every=10"))
+                                   "--check_replicas_every=10",
+                                   "--all_reduce_alg=ring",
+                                   "--bytes_per_pack=65536"))
   assert "Finished at step 40/40" in proc.stdout
+  assert "replica check" not in proc.stdout
 
 
 def _final_accuracy(output):
