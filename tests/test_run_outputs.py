@@ -90,3 +90,12 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, data_dir):
   assert "ckpt-20 is unreadable" in proc.stderr
   assert "Resumed from" in proc.stderr and "at step 10" in proc.stderr
   assert artifacts.checkpoint_step(model_dir) == 30
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_trains(policy, tmp_path, data_dir):
+  proc = run_cli(f"--model_dir={tmp_path / 'run'}", f"--data_dir={data_dir}",
+                 "--model=cnn", f"--mixed_precision={policy}",
+                 "--train_steps=200", "--eval_every=0", "--noexport")
+  accuracy = float(proc.stdout.split("eval accuracy ")[1].split(",")[0])
+  assert accuracy >= 0.9

@@ -1,7 +1,7 @@
 """The one outer loop: train, eval, checkpoint, summaries, export.
 
-Strategy-specific work lives in a step runner (tfdist.runners); this file
-never branches on the strategy.
+How steps run on each strategy lives in a step runner (tfdist.runners);
+this loop is the same for all of them.
 """
 
 import dataclasses
