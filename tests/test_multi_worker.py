@@ -6,7 +6,6 @@ import re
 import signal
 import time
 
-import pytest
 
 import artifacts
 from conftest import LauncherProcess

@@ -42,7 +42,7 @@ def start_tensorflow(config, *, tf_config=None, show_native_logs=False):
       # The sidecar evaluator trains nothing: one local device, no cluster.
       config, tf_config = dataclasses.replace(config, strategy="default"), None
     info = strategies.create_strategy(config, tf_config=tf_config)
-    if config.strategy == "default" and evaluator:
+    if evaluator:
       info = dataclasses.replace(info, reason="sidecar evaluator")
     tf.config.list_logical_devices()
   logging.info("Strategy: %s (%s), %d replica(s)%s.", info.name, info.reason,
