@@ -6,7 +6,6 @@ import re
 import signal
 import time
 
-
 import artifacts
 from conftest import LauncherProcess
 from conftest import run_launcher
