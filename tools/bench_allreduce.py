@@ -8,8 +8,9 @@ difference in bytes and seconds, divided by the difference in steps, is the
 per-step cost with start-up, eval and export cancelled out. Loopback counts
 every packet once, so bytes per worker = total / workers.
 
-Compared with the ring all-reduce lower bound 2(N-1)/N x gradient bytes.
-Needs root (ip netns) and iproute2.
+Compared with the ring all-reduce lower bound 2(N-1)/N x gradient bytes,
+and with raw TensorFlow MWMS on the same model (tools/raw_mwms.py), in the
+same run. Needs root (ip netns) and iproute2.
 """
 
 import os
@@ -64,10 +65,10 @@ def _gradient_bytes(model, dtype):
   return sum(int(w.numpy().size) for w in built.trainable_weights) * per_value
 
 
-def _train(ns, steps, dtype):
+def _train(ns, steps, dtype, module="tfdist.train"):
   before = ns.tx_bytes()
   seconds = jobs.run_job(
-      [f"--workers={FLAGS.workers}"],
+      [f"--workers={FLAGS.workers}", f"--module={module}"],
       ["--strategy=multi_worker_mirrored", f"--model={FLAGS.model}",
        "--dataset=digits", f"--data_dir={FLAGS.data_dir}",
        f"--batch_size={FLAGS.batch_size}", "--steps_per_loop=50",
@@ -83,20 +84,22 @@ def main(argv):
         f"runs of {FLAGS.short} and {FLAGS.long} steps, loopback in a "
         "fresh network namespace.")
   float32_bound = 2 * (n - 1) / n * _gradient_bytes(FLAGS.model, "float32")
-  print("| all-reduce dtype | ring bound, bytes/worker/step | measured "
+  print("| run, all-reduce dtype | ring bound, bytes/worker/step | measured "
         "bytes/worker/step | measured / bound | measured / float32 bound "
         "| steps/s |")
   print("|---|---:|---:|---:|---:|---:|")
+  contenders = [("raw TF MWMS, float32", "float32", "tools.raw_mwms")] + [
+      (f"tfdist, {dtype}", dtype, "tfdist.train") for dtype in FLAGS.dtypes]
   with Namespace() as ns:
-    for dtype in FLAGS.dtypes:
-      runs = {steps: _train(ns, steps, dtype)
+    for label, dtype, module in contenders:
+      runs = {steps: _train(ns, steps, dtype, module)
               for steps in (FLAGS.short, FLAGS.long)}
       extra_steps = FLAGS.long - FLAGS.short
       per_step = (runs[FLAGS.long][0] - runs[FLAGS.short][0]) / extra_steps
       per_worker = per_step / n
       rate = extra_steps / (runs[FLAGS.long][1] - runs[FLAGS.short][1])
       bound = 2 * (n - 1) / n * _gradient_bytes(FLAGS.model, dtype)
-      print(f"| {dtype} | {bound:.0f} | {per_worker:.0f} | "
+      print(f"| {label} | {bound:.0f} | {per_worker:.0f} | "
             f"{per_worker / bound:.3f} | {per_worker / float32_bound:.3f} | "
             f"{rate:.0f} |", flush=True)
 
