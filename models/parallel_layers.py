@@ -106,6 +106,62 @@ class RowParallelDense(keras.layers.Layer):
       return self.activation(tf.add_n(partials) + self.bias)
 
 
+class SelfAttention(keras.layers.Layer):
+  """Multi-head self-attention whose heads are split over `devices`.
+
+  Q, K and V are column-parallel with head-aligned shards, so each device
+  attends with its own heads; the output projection is row-parallel over
+  those heads: one reduction per layer. With one device (`[None]`) it is
+  plain attention, and the split form starts from the same weights.
+  """
+
+  def __init__(self, dim, heads, *, devices=(None,), **kwargs):
+    super().__init__(**kwargs)
+    self.devices = list(devices)
+    if heads % len(self.devices):
+      raise ConfigError(
+          f"tensor_parallel={len(self.devices)} must divide the attention "
+          f"heads. Received: heads={heads} for "
+          f"tensor_parallel={len(self.devices)}")
+    self.dim, self.heads, self.head_dim = dim, heads, dim // heads
+    self.query, self.key, self.value = (
+        ColumnParallelDense(dim, devices=self.devices, gather_output=False,
+                            name=name) for name in ("query", "key", "value"))
+    self.output_projection = RowParallelDense(dim, devices=self.devices,
+                                              name="output")
+
+  def build(self, input_shape):
+    for projection in (self.query, self.key, self.value):
+      projection.build(input_shape)
+    shard = tuple(input_shape[:-1]) + (self.dim // len(self.devices),)
+    self.output_projection.build([shard] * len(self.devices))
+
+  def compute_output_shape(self, input_shape):
+    return input_shape
+
+  def _attend(self, q, k, v):
+    shape = keras.ops.shape(q)
+    heads = q.shape[-1] // self.head_dim
+
+    def split_heads(x):
+      x = keras.ops.reshape(x, (shape[0], shape[1], heads, self.head_dim))
+      return keras.ops.transpose(x, (0, 2, 1, 3))
+
+    q, k, v = split_heads(q), split_heads(k), split_heads(v)
+    scores = keras.ops.matmul(q, keras.ops.transpose(k, (0, 1, 3, 2)))
+    weights = keras.ops.softmax(scores / self.head_dim ** 0.5, axis=-1)
+    out = keras.ops.transpose(keras.ops.matmul(weights, v), (0, 2, 1, 3))
+    return keras.ops.reshape(out, (shape[0], shape[1], heads * self.head_dim))
+
+  def call(self, x):
+    queries, keys, values = self.query(x), self.key(x), self.value(x)
+    heads = []
+    for device, q, k, v in zip(self.devices, queries, keys, values):
+      with on(device):
+        heads.append(self._attend(q, k, v))
+    return self.output_projection(heads)
+
+
 class TensorParallelMLP(keras.layers.Layer):
   """Dense(hidden, inner) -> Dense(units, outer), split over devices with a
   single all-reduce."""

@@ -1,11 +1,13 @@
 """A small transformer classifier: image rows become tokens.
 
 Built as a chain of blocks (embed, block0..N-1, head) so that a pipeline
-can place them on stages; each block's MLP can be tensor-parallel.
+can place them on stages; with tensor_parallel_devices each block's
+attention heads and MLP are split Megatron-style (two reductions a block).
 """
 
 import keras
 
+from models.parallel_layers import SelfAttention
 from models.parallel_layers import TensorParallelMLP
 
 
@@ -42,8 +44,9 @@ class TransformerBlock(keras.layers.Layer):
                **kwargs):
     super().__init__(**kwargs)
     self.norm1 = keras.layers.LayerNormalization(name="ln1")
-    self.attention = keras.layers.MultiHeadAttention(heads, dim // heads,
-                                                     name="attention")
+    self.attention = SelfAttention(
+        dim, heads, devices=tensor_parallel_devices or [None],
+        name="attention")
     self.norm2 = keras.layers.LayerNormalization(name="ln2")
     if tensor_parallel_devices:
       self.mlp = TensorParallelMLP(mlp_dim, dim,
@@ -58,7 +61,7 @@ class TransformerBlock(keras.layers.Layer):
     # Built eagerly, sublayer by sublayer, so no layer is built while Keras
     # traces shapes in a scratch graph.
     self.norm1.build(input_shape)
-    self.attention.build(input_shape, input_shape)
+    self.attention.build(input_shape)
     self.norm2.build(input_shape)
     self.mlp.build(input_shape)
 
@@ -66,8 +69,7 @@ class TransformerBlock(keras.layers.Layer):
     return input_shape
 
   def call(self, x):
-    y = self.norm1(x)
-    x = x + self.attention(y, y)
+    x = x + self.attention(self.norm1(x))
     return x + self.mlp(self.norm2(x))
 
 

@@ -120,6 +120,25 @@ def test_tensor_parallel_mlp_block_matches_and_reduces_once():
   assert "ConcatV2" not in [op.type for op in graph.get_operations()]
 
 
+def test_tensor_parallel_attention_matches_and_reduces_once():
+  x = tf.random.stateless_normal([3, 8, 16], seed=(10, 11))
+  keras.utils.set_random_seed(12)
+  unsplit = parallel_layers.SelfAttention(16, 4)
+  keras.utils.set_random_seed(12)
+  split = parallel_layers.SelfAttention(16, 4, devices=DEVICES)
+  y_unsplit, g_unsplit = _grads(unsplit, x)
+  y_split, g_split = _grads(split, x)
+  np.testing.assert_allclose(y_split, y_unsplit, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(g_split[0], g_unsplit[0], rtol=1e-5, atol=1e-6)
+  for kernel, device in zip(split.query.kernels, DEVICES):
+    assert kernel.value.device.endswith(device.split("/")[-1])
+  graph = tf.function(split).get_concrete_function(
+      tf.TensorSpec([3, 8, 16])).graph
+  assert [op.type for op in graph.get_operations()].count("AddN") == 1
+  with pytest.raises(ConfigError, match="must divide the attention heads"):
+    parallel_layers.SelfAttention(16, 3, devices=DEVICES)
+
+
 def test_tensor_parallel_degree_must_divide_width():
   with pytest.raises(ConfigError, match="Received: width=10 for "
                      "tensor_parallel=3"):

@@ -7,6 +7,7 @@ exist, and printed as a table. This is the only module that calls
 tf.device: models and the trainer go through `on(device)`.
 """
 
+import contextlib
 import dataclasses
 import fnmatch
 import json
@@ -25,8 +26,8 @@ HOSTING_STRATEGIES = ("default", "one_device", "multi_worker_mirrored")
 
 
 def on(device):
-  """The one place a device scope is opened."""
-  return tf.device(device)
+  """The one place a device scope is opened (None: leave placement to TF)."""
+  return contextlib.nullcontext() if device is None else tf.device(device)
 
 
 @dataclasses.dataclass(frozen=True)
