@@ -20,7 +20,6 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 
-MODEL_PARALLEL = ("none", "pipeline", "tensor")
 # Strategies whose replica can span several local devices.
 HOSTING_STRATEGIES = ("default", "one_device", "multi_worker_mirrored")
 

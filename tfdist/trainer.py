@@ -77,7 +77,7 @@ class _Meter:
 
   def add(self, sums, num_steps):
     self.steps += num_steps
-    self.loss += float(np.sum(sums["step_loss"][:num_steps]))
+    self.loss += float(np.sum(sums["step_loss"]))  # One entry per step.
     self.correct += float(sums["correct"])
 
   def read(self, now):
