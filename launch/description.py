@@ -37,8 +37,9 @@ class ClusterDescription:
     return {role: n for role, n in counts.items() if n}
 
 
-def add_arguments(parser):
-  parser.add_argument("--workers", type=int, default=1,
+def add_arguments(parser, *, workers_default=1):
+  """The cluster description flags every launcher takes."""
+  parser.add_argument("--workers", type=int, default=workers_default,
                       help="Number of worker tasks.")
   parser.add_argument("--chief", action="store_true",
                       help="Add a chief task (required with --ps).")

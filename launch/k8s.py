@@ -24,7 +24,7 @@ import sys
 
 import yaml
 
-from launch import description
+from . import description
 
 ROLE_LABEL = "tfdist.dev/role"
 JOB_LABEL = "tfdist.dev/job"
@@ -101,24 +101,23 @@ def start_script(train_args):
   """The container command: TF_CONFIG from role and index, then train."""
   # A bare assignment takes the exit status of its $(...): a bad cluster
   # stops the pod here instead of starting TF without a TF_CONFIG.
-  return ('TF_CONFIG="$(python -m launch.task_config '
+  return ('TF_CONFIG="$(python -m tfdist.launch.task_config '
           '--cluster "$TFDIST_CLUSTER" --role "$TFDIST_ROLE" '
           '--index "$JOB_COMPLETION_INDEX")" && export TF_CONFIG && '
           'exec python -m tfdist.train '
           + " ".join(shlex.quote(a) for a in train_args))
 
 
-def _container(args, role, cluster_json):
-  env = [{"name": "TFDIST_CLUSTER", "value": cluster_json},
-         {"name": "TFDIST_ROLE", "value": role}]
-  env += [{"name": k, "value": v}
-          for k, v in description.role_env(args.cluster).items()]
+def _container(args, role, *, name, command, port_name, env=None):
+  """One task's container; both formats build theirs here, so the job's
+  environment (GRPC_FAIL_FAST for PS jobs) reaches every pod."""
+  env = dict(env or {}, **description.role_env(args.cluster))
   container = {
-      "name": "tfdist", "image": args.image,
-      "command": ["sh", "-c", start_script(args.train_args)],
-      "env": env,
-      "ports": [{"name": "grpc", "containerPort": args.port}],
+      "name": name, "image": args.image, "command": command,
+      "ports": [{"name": port_name, "containerPort": args.port}],
   }
+  if env:
+    container["env"] = [{"name": k, "value": v} for k, v in env.items()]
   resources = _resources(args, role)
   if resources:
     container["resources"] = resources
@@ -148,8 +147,13 @@ def job_manifests(args):
                                         ROLE_LABEL: role}},
                 "spec": {"subdomain": args.name,
                          "restartPolicy": "OnFailure",
-                         "containers": [_container(args, role,
-                                                   cluster_json)]},
+                         "containers": [_container(
+                             args, role, name="tfdist",
+                             command=["sh", "-c",
+                                      start_script(args.train_args)],
+                             port_name="grpc",
+                             env={"TFDIST_CLUSTER": cluster_json,
+                                  "TFDIST_ROLE": role})]},
             },
         },
     })
@@ -169,14 +173,11 @@ def job_manifests(args):
 def tfjob_manifest(args):
   specs = {}
   for role, count in args.cluster.counts().items():
-    container = {
-        "name": "tensorflow", "image": args.image,
-        "command": ["python", "-m", "tfdist.train", *args.train_args],
-        "ports": [{"name": "tfjob-port", "containerPort": args.port}],
-    }
-    resources = _resources(args, role)
-    if resources:
-      container["resources"] = resources
+    # Kubeflow's operator finds the container named "tensorflow".
+    container = _container(
+        args, role, name="tensorflow",
+        command=["python", "-m", "tfdist.train", *args.train_args],
+        port_name="tfjob-port")
     specs[TFJOB_ROLES[role]] = {
         "replicas": count, "restartPolicy": "OnFailure",
         "template": {"spec": {"containers": [container]}}}

@@ -40,7 +40,7 @@ class _Task:
 
 
 class Job:
-  """Starts every task; `wait()` returns (exit code, name of failed task)."""
+  """Starts every task; `wait()` returns (exit code, failed task)."""
 
   def __init__(self, specs, *, out, grace_seconds=30.0, poll_seconds=0.1,
                log=lambda message: None):

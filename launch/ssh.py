@@ -1,23 +1,24 @@
 """SSH launcher: one task per host, each started over ssh with its
 TF_CONFIG, output prefixed with `role:index`.
 
-python -m launch.ssh --hosts=h1,h2[,...] [--chief] [--ps=N] [--port=2222]
-    [--ssh_args='-p 22 -i KEY'] [--workdir=DIR] [--python=python]
-    [--max_restarts=K] -- <tfdist.train flags>
+python -m launch.ssh --hosts=h1,h2[,...] [--chief] [--workers=N] [--ps=M]
+    [--evaluator] [--port=2222] [--ssh_args='-p 22 -i KEY'] [--workdir=DIR]
+    [--python=python] [--max_restarts=K] -- <tfdist.train flags>
 
-Hosts take the roles in order: the chief (with --chief), then the workers,
-then the --ps parameter servers. A host listed twice runs two tasks, on
-ports --port and --port+1. ssh runs with a forced tty (-tt), so when the
+It takes the same cluster description as every launcher. Hosts take the
+tasks in order: the chief (with --chief), the workers, the ps tasks, then
+the evaluator; without --workers, every host left is a worker. A host
+listed twice runs two tasks, on ports --port and --port+1. ssh runs with a forced tty (-tt), so when the
 launcher stops a task, or gets Ctrl-C, the remote process gets SIGHUP and
-ends with its session. Failures restart the job as in launch.local.
+ends with its session. Failures restart the job by the shared policy of launch.core.
 """
 
 import argparse
 import shlex
 import sys
 
-from launch import description
-from launch import local
+from . import core
+from . import description
 from tfdist import cluster
 
 
@@ -25,8 +26,7 @@ def parse_args(argv):
   parser = argparse.ArgumentParser(prog="python -m launch.ssh")
   parser.add_argument("--hosts", required=True,
                       help="Comma-separated hosts, one task each.")
-  parser.add_argument("--chief", action="store_true")
-  parser.add_argument("--ps", type=int, default=0)
+  description.add_arguments(parser, workers_default=None)
   parser.add_argument("--port", type=int, default=2222,
                       help="First TF port on each host.")
   parser.add_argument("--ssh_args", default="",
@@ -35,14 +35,20 @@ def parse_args(argv):
                       help="Remote directory to run in.")
   parser.add_argument("--python", default="python",
                       help="Remote Python that has tfdist installed.")
-  local.add_restart_arguments(parser)
+  core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
-  local.finish_args(parser, args)
+  core.finish_args(parser, args)
   hosts = [h for h in args.hosts.split(",") if h]
+  if args.workers is None:
+    args.workers = (len(hosts) - int(args.chief) - args.ps -
+                    int(args.evaluator))
   try:
-    args.cluster = description.ClusterDescription(
-        workers=len(hosts) - int(args.chief) - args.ps, chief=args.chief,
-        ps=args.ps)
+    args.cluster = description.from_args(args)
+    tasks = sum(args.cluster.counts().values())
+    if tasks != len(hosts):
+      raise ValueError(f"--hosts lists {len(hosts)} host(s) for {tasks} "
+                       f"task(s) {args.cluster.counts()}; give one host per "
+                       "task (a host may repeat).")
     args.addresses = _role_addresses(args.cluster, hosts, args.port)
   except (ValueError, cluster.ClusterError) as e:
     parser.error(str(e))
@@ -78,7 +84,7 @@ def ssh_tasks(args):
 
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  sys.exit(local.Launcher(args, make_tasks=ssh_tasks).run())
+  sys.exit(core.Launcher(args, make_tasks=ssh_tasks).run())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The model zoo. `build(name, ...)` picks a model by its --model name."""
+"""The model zoo (installed as tfdist.models). `build(name, ...)` picks a
+model by its --model name."""
 
 import importlib
 import inspect
@@ -7,13 +8,13 @@ from tfdist.errors import ConfigError
 
 # name -> (module, builder). Modules load lazily so the CLI starts fast.
 _REGISTRY = {
-    "mlp": ("models.mlp", "mlp"),
-    "mlp_wide": ("models.mlp", "mlp_wide"),
-    "cnn": ("models.cnn", "cnn"),
-    "resnet20": ("models.resnet", "resnet20"),
-    "resnet56": ("models.resnet", "resnet56"),
-    "transformer": ("models.transformer", "transformer"),
-    "embedding_bag": ("models.embedding_bag", "embedding_bag"),
+    "mlp": (".mlp", "mlp"),
+    "mlp_wide": (".mlp", "mlp_wide"),
+    "cnn": (".cnn", "cnn"),
+    "resnet20": (".resnet", "resnet20"),
+    "resnet56": (".resnet", "resnet56"),
+    "transformer": (".transformer", "transformer"),
+    "embedding_bag": (".embedding_bag", "embedding_bag"),
 }
 
 
@@ -38,7 +39,7 @@ def build(name, *, input_shape, num_classes, partitioner=None,
   """
   check_name(name)
   module, function = _REGISTRY[name]
-  builder = getattr(importlib.import_module(module), function)
+  builder = getattr(importlib.import_module(module, __name__), function)
   accepted = inspect.signature(builder).parameters
   options = {}
   if partitioner is not None and "partitioner" in accepted:

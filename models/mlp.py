@@ -2,7 +2,7 @@
 
 import keras
 
-from models.parallel_layers import TensorParallelMLP
+from .parallel_layers import TensorParallelMLP
 
 
 def mlp(*, input_shape, num_classes, hidden=(256, 256),

@@ -7,8 +7,8 @@ attention heads and MLP are split Megatron-style (two reductions a block).
 
 import keras
 
-from models.parallel_layers import SelfAttention
-from models.parallel_layers import TensorParallelMLP
+from .parallel_layers import SelfAttention
+from .parallel_layers import TensorParallelMLP
 
 
 class TokenEmbed(keras.layers.Layer):

@@ -14,9 +14,9 @@ import yaml
 
 import artifacts
 from conftest import ROOT
-from launch import description
-from launch import k8s
-from launch import processes
+from tfdist.launch import description
+from tfdist.launch import k8s
+from tfdist.launch import processes
 
 KUBERNETES_VERSION = "1.30"
 

@@ -12,7 +12,8 @@ import tensorflow as tf
 import artifacts
 from conftest import run_cli
 from conftest import run_launcher
-from models import parallel_layers
+from tfdist.models import parallel_layers
+from tfdist import devices
 from tfdist import placement
 from tfdist.errors import ConfigError
 
@@ -45,7 +46,7 @@ def test_spec_plan_groups_runs_and_names_unmatched_blocks(tmp_path):
   with pytest.raises(ConfigError, match="pattern=device"):
     placement.parse_spec("embed:/device:CPU:0")
   with pytest.raises(ConfigError, match="'/device:CPU:9', which does not"):
-    placement.check_devices(["/device:CPU:9"], placement.local_devices())
+    placement.check_devices(["/device:CPU:9"], devices.local_devices())
 
 
 def _grads(layer, x):

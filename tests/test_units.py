@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
+from tfdist import models
 from tfdist import cluster
 from tfdist import config as config_lib
 from tfdist import data

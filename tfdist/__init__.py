@@ -1,3 +1,21 @@
-"""tfdist: one trainer for every tf.distribute strategy."""
+"""tfdist: one trainer for every tf.distribute strategy.
 
-__version__ = "0.1.0"
+    import tfdist
+    tfdist.train(MyTask(), model_dir="runs/mine")   # the Python API
+    python -m tfdist.train --model_dir=runs/mine    # the CLI
+"""
+
+import importlib
+
+from tfdist.config import Config
+from tfdist.task import Task
+
+__all__ = ["Config", "Task", "train"]
+
+
+def __getattr__(name):
+  # tfdist.train is a module that is also callable; imported on first use
+  # so that `python -m tfdist.train` does not find it already imported.
+  if name == "train":
+    return importlib.import_module("tfdist.train")
+  raise AttributeError(f"module 'tfdist' has no attribute {name!r}")

@@ -14,12 +14,11 @@ SIGNATURE_FILE = "tfdist_model.json"
 UNREADABLE = (tf.errors.OpError, IndexError, OSError, EOFError)
 
 
-
-def model_signature(*, model_name, model, num_classes):
+def model_signature(*, model_name, model, num_classes=None):
   """What must match for a checkpoint to be restored into this model."""
   return {
       "model": model_name,
-      "num_classes": int(num_classes),
+      "num_classes": None if num_classes is None else int(num_classes),
       "variables": {v.path: list(v.shape) for v in model.weights},
   }
 
@@ -85,9 +84,19 @@ class CheckpointStore:
           f"{len(candidates)}); nothing was changed.")
     return None
 
-  def restore_path(self, path):
-    """Restores one checkpoint; the optimizer may be absent or partial."""
-    self._checkpoint.restore(path).expect_partial()
+  def new_checkpoints(self, timeout_seconds):
+    """Restores each new checkpoint in model_dir as it appears (sidecar
+    evaluation), skipping unreadable ones; yields their paths."""
+    for path in tf.train.checkpoints_iterator(
+        self._model_dir, min_interval_secs=1, timeout=timeout_seconds):
+      try:
+        # The optimizer may be absent or partial: read what the model needs.
+        self._checkpoint.restore(path).expect_partial()
+      except UNREADABLE as e:
+        logging.warning("Skipping unreadable checkpoint %s (%s).", path,
+                        str(e).splitlines()[0][:160])
+        continue
+      yield path
 
   def save(self, step):
     """Saves at `step`. Every worker calls it; only the chief's is kept."""

@@ -1,9 +1,10 @@
-"""Gradient compression: all-reduce gradients in float16/bfloat16.
+"""The gradient all-reduce, in float32 or compressed to float16/bfloat16.
 
 A Keras 3 optimizer all-reduces gradients itself under a strategy
 (`_all_reduce_sum_gradients`). Casting before that adds a second reduction
-(we measured 1.5x the float32 bytes, not 0.5x), so compression replaces the
-optimizer's reduction instead of preceding it.
+(we measured 1.5x the float32 bytes, not 0.5x), and clipping before it
+clips each replica's gradients differently. So the train step reduces the
+gradients itself (here) and the optimizer's own reduction is switched off.
 """
 
 import tensorflow as tf
@@ -11,31 +12,35 @@ import tensorflow as tf
 SUM = tf.distribute.ReduceOp.SUM
 
 
-def _compressed_all_reduce(dtype):
-  def all_reduce_sum_gradients(grads_and_vars):
-    grads_and_vars = list(grads_and_vars)
-    context = tf.distribute.get_replica_context()
-    present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
-    if context is None or not present:
-      return grads_and_vars
-    grads = [grads_and_vars[i][0] for i in present]
-    reduced = context.all_reduce(SUM, [tf.cast(g, dtype) for g in grads])
-    result = list(grads_and_vars)
-    for i, grad, total in zip(present, grads, reduced):
-      result[i] = (tf.cast(total, grad.dtype), grads_and_vars[i][1])
-    return result
-  return all_reduce_sum_gradients
+def _already_reduced(grads_and_vars):
+  return list(grads_and_vars)
 
 
-def compress_gradients(optimizer, dtype):
-  """Makes `optimizer` all-reduce its gradients in `dtype` (in place)."""
-  if dtype == "float32":
-    return optimizer
+def take_over_reduction(optimizer):
+  """Makes `optimizer` apply gradients as given (in place): the caller has
+  all-reduced them with `all_reduce`."""
   target = getattr(optimizer, "inner_optimizer", optimizer)
   if not hasattr(target, "_all_reduce_sum_gradients"):
     raise RuntimeError(
-        "This Keras version has no _all_reduce_sum_gradients hook; "
-        "--allreduce_dtype cannot replace its gradient all-reduce.")
-  target._all_reduce_sum_gradients = _compressed_all_reduce(  # pylint: disable=protected-access
-      tf.as_dtype(dtype))
+        "This Keras version has no _all_reduce_sum_gradients hook; tfdist "
+        "cannot take over its gradient all-reduce.")
+  target._all_reduce_sum_gradients = _already_reduced  # pylint: disable=protected-access
   return optimizer
+
+
+def all_reduce(grads, dtype="float32"):
+  """Sums `grads` over the replicas in sync, sent in `dtype`. Call in a
+  replica context; None gradients stay None."""
+  context = tf.distribute.get_replica_context()
+  present = [i for i, g in enumerate(grads) if g is not None]
+  if context is None or context.num_replicas_in_sync == 1 or not present:
+    return list(grads)
+  wire = tf.as_dtype(dtype)
+  sent = [grads[i] for i in present]
+  if wire != tf.float32:
+    sent = [tf.cast(g, wire) for g in sent]
+  reduced = context.all_reduce(SUM, sent)
+  result = list(grads)
+  for i, total in zip(present, reduced):
+    result[i] = tf.cast(total, grads[i].dtype) if wire != tf.float32 else total
+  return result

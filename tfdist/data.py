@@ -1,7 +1,11 @@
-"""Datasets: `digits` (offline), `synthetic`, and tfds catalog names.
+"""Input pipelines, and the built-in datasets: `digits` (offline),
+`synthetic`, and tfds image catalog names.
 
-Every input function yields (images, labels, weights) batches of the
-per-replica size. Padding examples carry weight 0, so eval counts each real
+A Dataset holds unbatched (features, labels) examples per split, where
+features is a tensor or a dict of tensors. The input functions here do the
+shuffling, epochs, host sharding, per-replica batching and resume skip:
+train batches are (features, labels), eval batches (features, labels,
+weights), where padding examples carry weight 0 so eval counts each real
 example exactly once.
 """
 
@@ -24,15 +28,58 @@ _FOREVER = 2**62
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-  """A classification dataset: its shape and a source per split."""
+  """Unbatched (features, labels) examples: a source per split.
+
+  `input_shape` and `num_classes` are set for the built-in image
+  classification data; user data leaves them None.
+  """
 
   name: str
-  input_shape: Tuple[int, ...]
-  num_classes: int
   num_train_examples: int
   num_test_examples: Optional[int]  # None: infinite (synthetic).
   train_source: Callable[[], tf.data.Dataset]
   test_source: Callable[[], tf.data.Dataset]
+  input_shape: Optional[Tuple[int, ...]] = None
+  num_classes: Optional[int] = None
+
+
+def _count(dataset):
+  size = int(dataset.cardinality())
+  if size >= 0:
+    return size
+  if size == int(tf.data.INFINITE_CARDINALITY):
+    return None
+  return int(dataset.reduce(0, lambda count, _: count + 1))
+
+
+def from_user(name, train, test):
+  """A Dataset from two unbatched tf.data.Datasets of (features, labels)."""
+  for split, dataset in (("train", train), ("eval", test)):
+    if not isinstance(dataset, tf.data.Dataset):
+      raise ConfigError(f"{name} must return (train, eval) tf.data.Datasets; "
+                        f"its {split} part is a {type(dataset).__name__}.")
+    spec = dataset.element_spec
+    if not (isinstance(spec, tuple) and len(spec) == 2):
+      raise ConfigError(f"{name}: each {split} example must be (features, "
+                        f"labels). Received: element_spec={spec}")
+  num_train = _count(train)
+  if not num_train:
+    raise ConfigError(f"{name}: the train split must be finite and not "
+                      f"empty. Received: {num_train} examples")
+  train_cached, test_cached = train.cache(), test.cache()
+  return Dataset(name=name, num_train_examples=num_train,
+                 num_test_examples=_count(test),
+                 train_source=lambda: train_cached,
+                 test_source=lambda: test_cached)
+
+
+def features_spec(dataset: Dataset):
+  return dataset.train_source().element_spec[0]
+
+
+def sample_batch(dataset: Dataset, size=2):
+  """A few examples, batched: to check a model against the data."""
+  return next(iter(dataset.train_source().batch(size).take(1)))
 
 
 def _normalize(image, label):
@@ -113,13 +160,16 @@ def _host_slice(dataset, context, per_host, finish_batch):
   dataset = dataset.batch(per_host, drop_remainder=True)
   dataset = dataset.shard(hosts, context.input_pipeline_id)
   dataset = dataset.rebatch(per_replica)
-  # Per-batch, not per-example, maps: a per-example map costs ~20x here.
-  return dataset.map(finish_batch, num_parallel_calls=tf.data.AUTOTUNE,
-                     deterministic=True).prefetch(tf.data.AUTOTUNE)
+  if finish_batch is not None:
+    # Per-batch, not per-example, maps: a per-example map costs ~20x here.
+    dataset = dataset.map(finish_batch, num_parallel_calls=tf.data.AUTOTUNE,
+                          deterministic=True)
+  return dataset.prefetch(tf.data.AUTOTUNE)
 
 
-def _unit_weights(images, labels):
-  return images, labels, tf.ones_like(labels, tf.float32)
+def _unit_weights(features, labels):
+  size = tf.shape(tf.nest.flatten(labels)[0])[0]
+  return features, labels, tf.ones([size], tf.float32)
 
 
 def _example_stream(dataset, seed, start_example):
@@ -155,7 +205,7 @@ def train_input_fn(dataset: Dataset, *, global_batch_size, seed, start_step=0):
   def input_fn(context):
     per_host = global_batch_size // context.num_input_pipelines
     stream = _example_stream(dataset, seed, start_step * global_batch_size)
-    return _host_slice(stream, context, per_host, _unit_weights)
+    return _host_slice(stream, context, per_host, None)
   return input_fn
 
 
@@ -172,18 +222,17 @@ def eval_input_fn(dataset: Dataset, *, global_batch_size):
   num_real = dataset.num_test_examples
 
   def real_weights(indices, batch):
-    images, labels = batch
-    return images, labels, tf.cast(indices < num_real, tf.float32)
+    features, labels = batch
+    return features, labels, tf.cast(indices < num_real, tf.float32)
 
   def input_fn(context):
     per_host = global_batch_size // context.num_input_pipelines
     source = dataset.test_source()
     if num_real is None:
       return _host_slice(source.repeat(), context, per_host, _unit_weights)
+    # Padding repeats real examples (any structure fits) with weight 0.
     padding = (-num_real) % global_batch_size
-    blank = tf.data.Dataset.from_tensors(
-        (tf.zeros(dataset.input_shape), tf.constant(0, tf.int32))).repeat(
-            padding)
+    blank = source.repeat().take(padding)
     return _host_slice(source.concatenate(blank).enumerate(), context,
                        per_host, real_weights)
   return input_fn

@@ -1,34 +1,44 @@
-"""SavedModel export with a serving signature."""
+"""SavedModel export through Keras's own ExportArchive.
+
+The archive tracks the model's variables the way TF Serving's loader (and
+`saved_model_cli run`) restores them, which a hand-made tf.Module did not.
+The `serving_default` signature takes one named input per feature (`images`
+for the built-in classification task) and returns the task's named outputs.
+"""
 
 import os
 import shutil
 
+import keras
 import tensorflow as tf
 
 
-class _Serving(tf.Module):
-
-  def __init__(self, model, input_shape):
-    super().__init__()
-    self.model = model
-    spec = tf.TensorSpec([None, *input_shape], tf.float32, name="images")
-    self.serve = tf.function(self._serve, input_signature=[spec])
-
-  def _serve(self, images):
-    logits = tf.cast(self.model(images, training=False), tf.float32)
-    return {"logits": logits,
-            "probabilities": tf.nn.softmax(logits),
-            "classes": tf.argmax(logits, axis=-1, output_type=tf.int32)}
+def serving_spec(features_spec, single_name):
+  """Batched TensorSpecs named after the features."""
+  def batched(name, spec):
+    return tf.TensorSpec([None, *spec.shape], spec.dtype, name=name)
+  if isinstance(features_spec, dict):
+    return {name: batched(name, spec)
+            for name, spec in features_spec.items()}
+  return batched(single_name, features_spec)
 
 
-def export_saved_model(model, *, input_shape, export_dir):
+def export_saved_model(model, *, serving_outputs, features_spec, export_dir,
+                       input_name="features"):
   """Writes a SavedModel; the previous export is replaced only on success."""
   staging = export_dir.rstrip("/") + ".tmp"
   if tf.io.gfile.exists(staging):
     tf.io.gfile.rmtree(staging)
-  module = _Serving(model, input_shape)
-  tf.saved_model.save(module, staging,
-                      signatures={"serving_default": module.serve})
+  archive = keras.export.ExportArchive()
+  archive.track(model)
+
+  def serve(features):
+    return serving_outputs(model(features, training=False))
+
+  archive.add_endpoint(
+      name="serving_default", fn=serve,
+      input_signature=[serving_spec(features_spec, input_name)])
+  archive.write_out(staging, verbose=False)
   if tf.io.gfile.exists(export_dir):
     shutil.rmtree(export_dir)
   os.replace(staging, export_dir)

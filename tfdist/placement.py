@@ -18,10 +18,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import devices as devices_lib
 from tfdist.errors import ConfigError
-
-# Strategies whose replica can span several local devices.
-HOSTING_STRATEGIES = ("default", "one_device", "multi_worker_mirrored")
 
 
 def on(device):
@@ -44,20 +42,6 @@ class PlacementPlan:
       if block_name in stage.blocks:
         return stage.device
     raise KeyError(block_name)
-
-
-def local_devices():
-  """Stage devices: local GPUs if any, else the (logical) CPUs."""
-  gpus = tf.config.list_logical_devices("GPU")
-  return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
-
-
-def check_strategy(model_parallel, strategy_name):
-  if model_parallel != "none" and strategy_name not in HOSTING_STRATEGIES:
-    raise ConfigError(
-        f"--model_parallel={model_parallel} needs a strategy whose replica "
-        f"can span local devices: {', '.join(HOSTING_STRATEGIES)}. Received: "
-        f"strategy={strategy_name}")
 
 
 def check_devices(devices: Sequence[str], available: Sequence[str]):
@@ -151,13 +135,12 @@ def plan_from_spec(rules: Dict[str, str], block_names: Sequence[str]
   return PlacementPlan(tuple(stages))
 
 
-def _params(layer):
+def params(layer):
   return sum(int(np.prod(w.shape)) for w in layer.weights)
 
 
 def _bytes(layer):
-  return sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size
-             for w in layer.weights)
+  return sum(devices_lib.variable_bytes(w) for w in layer.weights)
 
 
 def table(plan: PlacementPlan, blocks: Dict[str, keras.layers.Layer]):
@@ -165,28 +148,26 @@ def table(plan: PlacementPlan, blocks: Dict[str, keras.layers.Layer]):
   lines = [f"{'stage':>5}  {'device':<34} {'params':>10} {'bytes':>11}  "
            "blocks"]
   for index, stage in enumerate(plan.stages):
-    params = sum(_params(blocks[b]) for b in stage.blocks)
+    count = sum(params(blocks[b]) for b in stage.blocks)
     size = sum(_bytes(blocks[b]) for b in stage.blocks)
-    lines.append(f"{index:>5}  {stage.device:<34} {params:>10} {size:>11}  "
+    lines.append(f"{index:>5}  {stage.device:<34} {count:>10} {size:>11}  "
                  f"{', '.join(stage.blocks)}")
   return lines
 
 
 def bytes_per_device(model) -> Dict[str, int]:
   """Variable bytes by the device that holds them."""
-  totals: Dict[str, int] = {}
-  for weight in model.weights:
-    device = tf.DeviceSpec.from_string(weight.value.device)
-    name = f"{device.device_type}:{device.device_index}"
-    totals[name] = totals.get(name, 0) + (
-        int(np.prod(weight.shape)) * tf.as_dtype(weight.dtype).size)
-  return dict(sorted(totals.items()))
+  def device(weight):
+    spec = tf.DeviceSpec.from_string(weight.value.device)
+    return f"{spec.device_type}:{spec.device_index}"
+  return devices_lib.bytes_by(model.weights, device)
 
 
-def build_blocks(blocks, input_shape, plan=None):
+def build_blocks(blocks, example, plan=None):
   """Creates every block's variables on its stage's device (or wherever
-  TF puts them when there is no plan), in block order."""
-  x = tf.zeros([1, *input_shape])
+  TF puts them when there is no plan), in block order, by running
+  `example` (a batch of features) through them."""
+  x = example
   for block in blocks:
     if plan is None:
       x = block(x)

@@ -73,7 +73,8 @@ class SigtermGuard:
 
 
 class NoGuard:
-  """For strategies TF's handler does not support (TPU, PS)."""
+  """For synchronous strategies TF's handler does not support (TPU). PS
+  coordinators use SigtermGuard."""
 
   def run(self, fn, *args):
     return fn(*args)

@@ -1,21 +1,45 @@
-"""Step runners: how loop functions run on each kind of strategy.
+"""Step runners: how the compiled loops run on each kind of strategy.
 
 The Trainer owns the outer loop and asks a runner for "N more train steps"
 or "an eval pass". A runner splits the steps into `steps_per_loop` calls and
-brings the results back to the host as numpy:
+brings the results back to the host as LoopSums:
 - SyncRunner calls the loop function in this process, one call at a time
   (default, one_device, mirrored, tpu, multi_worker_mirrored);
 - ParameterServerRunner schedules every call on the workers through a
   ClusterCoordinator, then joins, and evaluates on the coordinator itself.
 """
 
+import functools
 import re
+from typing import Protocol
 
-import numpy as np
 import tensorflow as tf
 
+from tfdist import compiled_loops
 from tfdist import preemption
+from tfdist import strategies
 from tfdist.errors import TfdistError
+
+
+class Runner(Protocol):
+  """The contract between the Trainer and a strategy's way of running."""
+
+  # True when every replica's slice of a global batch comes from one seeded
+  # stream (synchronous training); False gives each worker its own order.
+  same_data_everywhere: bool
+
+  def watch_preemption(self, *, save_fn, step_fn) -> None:
+    """On SIGTERM: call save_fn, then stop with PreemptedError."""
+
+  def make_iterator(self, input_fn):
+    """An iterator over the distributed dataset of `input_fn`."""
+
+  def run_steps(self, iterator, num_steps, steps_per_call
+                ) -> compiled_loops.LoopSums:
+    """Trains `num_steps` steps, counting them in the global step."""
+
+  def evaluate(self, input_fn, num_steps) -> compiled_loops.LoopSums:
+    """One exact eval pass of `num_steps` global batches."""
 
 
 class PeerError(TfdistError):
@@ -29,21 +53,10 @@ def _chunks(num_steps, steps_per_call):
     num_steps -= size
 
 
-def combine(results):
-  """Joins per-call results [(sums, num_steps)] into one dict.
-
-  `step_loss` holds one entry per step; every other entry is a sum.
-  """
-  combined = {}
-  for sums, num_steps in results:
-    for name, value in sums.items():
-      if name == "step_loss":
-        combined.setdefault(name, []).append(np.asarray(value)[:num_steps])
-      else:
-        combined[name] = combined.get(name, 0.0) + float(value)
-  if "step_loss" in combined:
-    combined["step_loss"] = np.concatenate(combined["step_loss"])
-  return combined
+def combine(parts):
+  """Sums LoopSums in step order."""
+  return functools.reduce(compiled_loops.LoopSums.add, parts,
+                          compiled_loops.LoopSums())
 
 
 def _failed_task(error):
@@ -51,19 +64,17 @@ def _failed_task(error):
   return f"{found.group(1)}:{found.group(2)}" if found else "a task"
 
 
-def _to_numpy(results):
-  return tf.nest.map_structure(lambda t: t.numpy(), results)
-
-
 class SyncRunner:
   """Runs loop functions in this process."""
 
-  # Every replica's slice of a global batch comes from one seeded stream.
   same_data_everywhere = True
 
-  def __init__(self, strategy, *, preemptible=True, task_name="local",
+  def __init__(self, strategy, loops, *, preemptible=True, task_name="local",
                peers=()):
     self._strategy = strategy
+    self._loops = loops
+    self._train = tf.function(self._counted_train_steps)
+    self._eval = tf.function(loops.eval_steps)
     self._preemptible = preemptible
     self._task_name = task_name
     self._peers = peers
@@ -79,21 +90,26 @@ class SyncRunner:
   def make_iterator(self, input_fn):
     return iter(self._strategy.distribute_datasets_from_function(input_fn))
 
-  def run_steps(self, loops, iterator, num_steps, steps_per_call):
-    """Each call counts its steps in the global step as it ends."""
-    results = []
-    for size in _chunks(num_steps, steps_per_call):
-      results.append((self._guard.run(self._call, loops.train_loop, iterator,
-                                      size), size))
-    return combine(results)
+  def _counted_train_steps(self, iterator, num_steps):
+    sums = self._loops.train_steps(iterator, num_steps)
+    self._loops.count_steps(num_steps)
+    return sums
 
-  def evaluate(self, loops, input_fn, num_steps):
-    return self._call(loops.eval_loop, self.make_iterator(input_fn),
-                      num_steps)
+  def run_steps(self, iterator, num_steps, steps_per_call):
+    """Each call counts its steps in the global step as it ends."""
+    return combine(
+        self._loops.unpack_train(
+            self._guard.run(self._call, self._train, iterator, size), size)
+        for size in _chunks(num_steps, steps_per_call))
+
+  def evaluate(self, input_fn, num_steps):
+    return self._loops.unpack_eval(
+        self._call(self._eval, self.make_iterator(input_fn), num_steps),
+        num_steps)
 
   def _call(self, loop_fn, iterator, num_steps):
     try:
-      return _to_numpy(loop_fn(iterator, tf.constant(num_steps, tf.int32)))
+      return loop_fn(iterator, tf.constant(num_steps, tf.int32)).numpy()
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
             tf.errors.AbortedError) as e:
       if not self._peers:
@@ -111,10 +127,15 @@ class ParameterServerRunner:
   # Async workers must not all read the same batches: unseeded shuffles.
   same_data_everywhere = False
 
-  def __init__(self, strategy, coordinator):
+  def __init__(self, strategy, loops, coordinator):
     self._strategy = strategy
+    self._loops = loops
     self._coordinator = coordinator
     self._guard = None
+    # The PS-only loop variants: train calls do not count their steps (the
+    # coordinator does), and eval runs here without strategy.run.
+    self._train = tf.function(loops.train_steps)
+    self._local_eval = tf.function(self._local_eval_steps)
 
   def watch_preemption(self, *, save_fn, step_fn):
     """TF's handler does not support PS: SIGTERM is checked after joins."""
@@ -126,7 +147,7 @@ class ParameterServerRunner:
     return iter(self._coordinator.create_per_worker_dataset(
         per_worker_dataset))
 
-  def run_steps(self, loops, iterator, num_steps, steps_per_call):
+  def run_steps(self, iterator, num_steps, steps_per_call):
     """All calls are queued at once so every worker stays busy.
 
     A call lost with a failed worker is re-dispatched by the coordinator,
@@ -136,7 +157,7 @@ class ParameterServerRunner:
     """
     try:
       scheduled = [(self._coordinator.schedule(
-          loops.uncounted_train_loop,
+          self._train,
           args=(iterator, tf.constant(size, tf.int32))), size)
                    for size in _chunks(num_steps, steps_per_call)]
       self._coordinator.join()
@@ -146,31 +167,36 @@ class ParameterServerRunner:
       # is a lost parameter server (or a bug), which needs a job restart.
       raise PeerError(f"the coordinator lost {_failed_task(e)}: "
                       f"{e.message.splitlines()[0][:160]}") from None
-    loops.count_steps(sum(size for _, size in results))
+    self._loops.count_steps(sum(size for _, size in results))
     if self._guard:
       self._guard.save_and_exit_if_signalled()
-    return combine(results)
+    return combine(self._loops.unpack_train(vector, size)
+                   for vector, size in results)
 
-  def evaluate(self, loops, input_fn, num_steps):
+  def _local_eval_steps(self, iterator, num_steps):
+    loops = self._loops
+    state = loops.eval_zeros()
+    for _ in tf.range(num_steps):
+      state = loops.eval_step(next(iterator), state)
+    return loops.pack_eval(state)
+
+  def evaluate(self, input_fn, num_steps):
     """Exact eval on the coordinator: one pipeline, every example once.
 
     Scheduled eval could count an example twice when a closure is retried.
     """
     dataset = input_fn(tf.distribute.InputContext())
-    return _to_numpy(loops.local_eval_loop(
-        iter(dataset), tf.constant(num_steps, tf.int32)))
+    vector = self._local_eval(iter(dataset), tf.constant(num_steps, tf.int32))
+    return self._loops.unpack_eval(vector.numpy(), num_steps)
 
 
-def create(strategy_info):
-  """Returns the runner for `strategy_info.name`."""
-  if strategy_info.name in ("default", "one_device", "mirrored", "tpu",
-                            "multi_worker_mirrored"):
-    return SyncRunner(strategy_info.strategy,
-                      preemptible=strategy_info.name != "tpu",
-                      task_name=strategy_info.task_name,
-                      peers=strategy_info.peers)
-  if strategy_info.name == "parameter_server":
-    return ParameterServerRunner(strategy_info.strategy,
+def create(strategy_info, loops):
+  """The runner the strategy table names for `strategy_info.name`."""
+  kind = strategies.kind(strategy_info.name)
+  if kind.runner == "parameter_server":
+    return ParameterServerRunner(strategy_info.strategy, loops,
                                  strategy_info.coordinator)
-  raise ValueError(f"Unrecognized strategy for a runner: "
-                   f"{strategy_info.name!r}")
+  return SyncRunner(strategy_info.strategy, loops,
+                    preemptible=kind.preemptible,
+                    task_name=strategy_info.task_name,
+                    peers=strategy_info.peers)

@@ -1,10 +1,9 @@
 """Strategy factory: maps a strategy name to a tf.distribute.Strategy, once."""
 
 import dataclasses
-from typing import Tuple
+from typing import Callable, Tuple
 
-import tensorflow as tf
-
+from tfdist import devices
 from tfdist.errors import ConfigError
 
 
@@ -12,7 +11,7 @@ from tfdist.errors import ConfigError
 class StrategyInfo:
   """The strategy plus what the trainer needs to know about this process."""
 
-  strategy: tf.distribute.Strategy
+  strategy: object  # A tf.distribute.Strategy.
   name: str
   reason: str
   is_chief: bool = True
@@ -38,6 +37,7 @@ def configure_cpu_devices(num_devices):
                       f"Received: num_cpu_devices={num_devices}")
   if num_devices == 1:
     return
+  import tensorflow as tf
   cpu = tf.config.list_physical_devices("CPU")[0]
   try:
     tf.config.set_logical_device_configuration(
@@ -71,22 +71,18 @@ def choose_auto(*, tf_config, num_gpus, num_cpu_devices, num_tpus=0,
   return "default", "one device and no cluster in TF_CONFIG"
 
 
-def _local_devices():
-  gpus = tf.config.list_logical_devices("GPU")
-  return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
-
-
 def _mirrored_devices(num_replicas):
-  devices = _local_devices()
-  if num_replicas > len(devices):
+  local = devices.local_devices()
+  if num_replicas > len(local):
     raise ConfigError(
-        f"num_replicas={num_replicas} but only {len(devices)} devices exist "
-        f"({', '.join(devices)}); raise --num_cpu_devices or lower "
+        f"num_replicas={num_replicas} but only {len(local)} devices exist "
+        f"({', '.join(local)}); raise --num_cpu_devices or lower "
         "--num_replicas.")
-  return devices[:num_replicas] if num_replicas else devices
+  return local[:num_replicas] if num_replicas else local
 
 
 def _tpu_strategy(address):
+  import tensorflow as tf
   resolver_cls = tf.distribute.cluster_resolver.TPUClusterResolver
   try:
     resolver = resolver_cls(tpu=address)
@@ -109,6 +105,7 @@ def cluster_resolver(task):
   Built from our parsed TaskConfig rather than the environment, and without
   the evaluator, which never joins training.
   """
+  import tensorflow as tf
   return tf.distribute.cluster_resolver.SimpleClusterResolver(
       tf.train.ClusterSpec(task.cluster_as_lists()),
       task_type=task.task_type, task_id=task.task_index, rpc_layer="grpc")
@@ -116,6 +113,7 @@ def cluster_resolver(task):
 
 def _partitioner(config, num_ps):
   """Splits big variables (embeddings) across the ps tasks."""
+  import tensorflow as tf
   partitioners = tf.distribute.experimental.partitioners
   max_shards = config.ps_max_shards or num_ps
   if not config.ps_shard_min_bytes:
@@ -133,18 +131,21 @@ def _parameter_server(config, task):
   if task.task_type != "chief":
     raise ConfigError(f"only the chief builds ParameterServerStrategy. "
                       f"Received: task type {task.task_type!r}")
+  import tensorflow as tf
   # No variable_partitioner: Keras 3 variables cannot wrap ShardedVariable.
   # Models that can shard take the partitioner and make one variable per
   # shard, which the strategy places round-robin over the ps tasks.
   strategy = tf.distribute.ParameterServerStrategy(cluster_resolver(task))
-  return (strategy, tf.distribute.coordinator.ClusterCoordinator(strategy),
-          _partitioner(config, len(task.cluster["ps"])))
+  return strategy, {
+      "coordinator": tf.distribute.coordinator.ClusterCoordinator(strategy),
+      "partitioner": _partitioner(config, len(task.cluster["ps"]))}
 
 
 def _multi_worker(config, task):
   if task is not None and task.task_type not in ("chief", "worker"):
     raise ConfigError(f"--strategy=multi_worker_mirrored runs chief and "
                       f"worker tasks. Received: task type {task.task_type!r}")
+  import tensorflow as tf
   implementation = getattr(tf.distribute.experimental.CommunicationImplementation,
                            _IMPLEMENTATIONS[config.all_reduce_alg])
   options = tf.distribute.experimental.CommunicationOptions(
@@ -153,7 +154,62 @@ def _multi_worker(config, task):
       implementation=implementation)
   resolver = cluster_resolver(task) if task else None
   return tf.distribute.MultiWorkerMirroredStrategy(
-      cluster_resolver=resolver, communication_options=options)
+      cluster_resolver=resolver, communication_options=options), {}
+
+
+def _default(config, task):
+  del config, task
+  import tensorflow as tf
+  return tf.distribute.get_strategy(), {}
+
+
+def _one_device(config, task):
+  del config, task
+  import tensorflow as tf
+  return tf.distribute.OneDeviceStrategy(devices.local_devices()[0]), {}
+
+
+def _mirrored(config, task):
+  del task
+  import tensorflow as tf
+  return tf.distribute.MirroredStrategy(
+      _mirrored_devices(config.num_replicas)), {}
+
+
+def _tpu(config, task):
+  del task
+  return _tpu_strategy(config.tpu), {}
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyKind:
+  """What tfdist knows about one --strategy name."""
+
+  factory: Callable  # (config, tf_config) -> (strategy, extra StrategyInfo)
+  runner: str  # "sync" or "parameter_server": see tfdist.runners.
+  hosts_model_parallel: bool  # One replica may span several local devices.
+  preemptible: bool  # TF's PreemptionCheckpointHandler supports it.
+
+
+# The one table of strategies. TensorFlow is imported inside the factories,
+# so that flags are checked against these names before TensorFlow starts.
+STRATEGIES = {
+    "default": StrategyKind(_default, "sync", True, True),
+    "one_device": StrategyKind(_one_device, "sync", True, True),
+    "mirrored": StrategyKind(_mirrored, "sync", False, True),
+    "multi_worker_mirrored": StrategyKind(_multi_worker, "sync", True, True),
+    "parameter_server": StrategyKind(_parameter_server, "parameter_server",
+                                     False, False),
+    "tpu": StrategyKind(_tpu, "sync", False, False),
+}
+NAMES = tuple(STRATEGIES)
+
+
+def kind(name) -> StrategyKind:
+  if name not in STRATEGIES:
+    raise ConfigError(f"Unrecognized strategy: {name!r}. "
+                      f"Valid: {', '.join(NAMES)}.")
+  return STRATEGIES[name]
 
 
 def create_strategy(config, *, tf_config=None) -> StrategyInfo:
@@ -161,36 +217,21 @@ def create_strategy(config, *, tf_config=None) -> StrategyInfo:
 
   `tf_config` is a parsed `tfdist.cluster.TaskConfig`, or None.
   """
+  import tensorflow as tf
   name, reason = config.strategy, "requested with --strategy"
-  coordinator = partitioner = None
   if name == "auto":
     name, reason = choose_auto(
         tf_config=tf_config,
         num_gpus=len(tf.config.list_physical_devices("GPU")),
         num_cpu_devices=config.num_cpu_devices,
         model_parallel=config.model_parallel)
-  if name == "default":
-    strategy = tf.distribute.get_strategy()
-  elif name == "one_device":
-    strategy = tf.distribute.OneDeviceStrategy(_local_devices()[0])
-  elif name == "mirrored":
-    strategy = tf.distribute.MirroredStrategy(
-        _mirrored_devices(config.num_replicas))
-  elif name == "tpu":
-    strategy = _tpu_strategy(config.tpu)
-  elif name == "multi_worker_mirrored":
-    strategy = _multi_worker(config, tf_config)
-  elif name == "parameter_server":
-    strategy, coordinator, partitioner = _parameter_server(config, tf_config)
-  else:
-    raise ConfigError(f"Unrecognized strategy: {name!r}")
-  multi_worker = name == "multi_worker_mirrored" and tf_config is not None
+  strategy, extra = kind(name).factory(config, tf_config)
   if name == "parameter_server":
     return StrategyInfo(
-        strategy=strategy, name=name, reason=reason, coordinator=coordinator,
-        partitioner=partitioner,
+        strategy=strategy, name=name, reason=reason,
         num_workers=len(tf_config.cluster.get("worker", {})),
-        task_name="chief:0")
+        task_name="chief:0", **extra)
+  multi_worker = name == "multi_worker_mirrored" and tf_config is not None
   return StrategyInfo(
       strategy=strategy, name=name, reason=reason,
       is_chief=tf_config.is_chief if multi_worker else True,

@@ -1,9 +1,10 @@
 """Benchmark: tfdist's loop against a hand-written loop and Keras fit.
 
-python -m tools.bench [--rounds=5] [--steps=640] [--steps_per_loop=32]
+python -m tools.bench [--rounds=7] [--steps=640] [--steps_per_loop=32]
 
 Contenders run interleaved, round by round, in one process, on the same
-model, data, optimizer and strategy; medians and their ratios are printed.
+model, data, optimizer and strategy. Every rate and every ratio (taken per
+round, between neighbours in time) is printed as median [min-max].
 A second part compares the training FLOP/s tfdist reaches on a compute-bound
 MLP with the FLOP/s of a raw tf.matmul measured in the same run.
 """
@@ -17,10 +18,11 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from tools import inprocess
+from . import baseline
+from . import inprocess
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("rounds", 5, "Interleaved rounds per contender.")
+flags.DEFINE_integer("rounds", 7, "Interleaved rounds per contender.")
 flags.DEFINE_integer("steps", 640, "Training steps per round (small MLP).")
 flags.DEFINE_integer("steps_per_loop", 32, "Steps per tf.function call.")
 flags.DEFINE_integer("batch_size", 256, "Global batch (small MLP).")
@@ -29,11 +31,11 @@ flags.DEFINE_integer("flops_batch_size", 512, "Global batch (wide MLP).")
 
 
 def _handwritten_contender(config, info, dataset):
-  """The minimal loop a TF engineer would write by hand."""
+  """The minimal loop a TF engineer would write by hand (tools.baseline)."""
   import keras
   import tensorflow as tf
-  import models
   from tfdist import data
+  from tfdist import models
   strategy = info.strategy
   with strategy.scope():
     model = models.build(config.model, input_shape=dataset.input_shape,
@@ -44,22 +46,8 @@ def _handwritten_contender(config, info, dataset):
   iterator = iter(strategy.distribute_datasets_from_function(
       data.train_input_fn(dataset, global_batch_size=config.batch_size,
                           seed=config.seed)))
-
-  def step(batch):
-    images, labels, weights = batch
-    with tf.GradientTape() as tape:
-      logits = model(images, training=True)
-      loss = tf.nn.compute_average_loss(
-          keras.losses.sparse_categorical_crossentropy(
-              labels, logits, from_logits=True) * weights,
-          global_batch_size=config.batch_size)
-    grads = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-
-  @tf.function
-  def loop(iterator, num_steps):
-    for _ in tf.range(num_steps):
-      strategy.run(step, args=(next(iterator),))
+  loop = baseline.loop_function(strategy, model, optimizer,
+                                config.batch_size)
 
   def run(steps):
     for _ in range(steps // config.steps_per_loop):
@@ -69,17 +57,18 @@ def _handwritten_contender(config, info, dataset):
   return run
 
 
-def _fit_contender(config, info, dataset, jit_compile="auto"):
+def _fit_contender(config, info, dataset, jit_compile="auto",
+                   metrics=("accuracy",)):
   import keras
-  import models
   from tfdist import data
+  from tfdist import models
   with info.strategy.scope():
     model = models.build(config.model, input_shape=dataset.input_shape,
                          num_classes=dataset.num_classes)
     model.compile(optimizer=keras.optimizers.Adam(config.learning_rate),
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True),
-                  metrics=["accuracy"],
+                  metrics=list(metrics),
                   steps_per_execution=config.steps_per_loop,
                   jit_compile=jit_compile)
   source = dataset.train_source().shuffle(
@@ -99,7 +88,7 @@ def _training_flops_per_example(model):
   return 4 * sum(macs) + 2 * sum(macs[1:])
 
 
-def _matmul_flops_per_sec(batch, width, repeats=20, rounds=5):
+def _matmul_flops_per_sec(batch, width, repeats=20, rounds=3):
   import tensorflow as tf
   x = tf.random.normal([batch, width])
   w = tf.random.normal([width, width]) / width ** 0.5
@@ -122,53 +111,61 @@ def _matmul_flops_per_sec(batch, width, repeats=20, rounds=5):
 
 def main(argv):
   del argv
-  from tfdist import run as run_lib
   logging.set_verbosity(logging.WARNING)
   small = inprocess.bench_config(model="mlp", synthetic_shape=(8, 8, 1),
-                  batch_size=FLAGS.batch_size,
-                  steps_per_loop=FLAGS.steps_per_loop)
-  info = run_lib.start_tensorflow(small)
+                                 batch_size=FLAGS.batch_size,
+                                 steps_per_loop=FLAGS.steps_per_loop)
+  info = inprocess.start(small)
   import tensorflow as tf
   from tfdist import data
+  from tfdist import models
   dataset = data.load(small)
   jit = dataclasses.replace(small, jit_compile=True)
   contenders = {
-      "tfdist": inprocess.tfdist_contender(small, info, dataset),
-      "hand-written loop": _handwritten_contender(small, info, dataset),
-      "keras fit, jit_compile=False": _fit_contender(small, info, dataset,
-                                                     jit_compile=False),
-      "tfdist --jit_compile": inprocess.tfdist_contender(jit, info, dataset),
-      "keras fit, jit_compile=auto (XLA)": _fit_contender(small, info,
-                                                          dataset),
+      "tfdist": inprocess.tfdist_contender(small, info),
+      "hand-written loop (no metrics)": _handwritten_contender(
+          small, info, dataset),
+      "keras fit, jit_compile=False, accuracy metric": _fit_contender(
+          small, info, dataset, jit_compile=False),
+      "keras fit, jit_compile=False, no metrics": _fit_contender(
+          small, info, dataset, jit_compile=False, metrics=()),
+      "keras fit, jit_compile=auto (XLA), accuracy metric": _fit_contender(
+          small, info, dataset),
+      "tfdist --jit_compile": inprocess.tfdist_contender(jit, info),
   }
   steps = FLAGS.steps - FLAGS.steps % FLAGS.steps_per_loop
   rates = inprocess.measure(contenders, steps, FLAGS.rounds)
   print(f"\nSmall MLP 64-256-256-10, batch {small.batch_size}, "
-        f"steps_per_loop {small.steps_per_loop}, {FLAGS.rounds} rounds of "
-        f"{steps} steps, medians:")
-  print("| contender | steps/s | tfdist / it | tfdist --jit_compile / it |")
-  print("|---|---:|---:|---:|")
+        f"steps_per_loop {small.steps_per_loop}, {FLAGS.rounds} interleaved "
+        f"rounds of {steps} steps; median [min-max] over rounds:")
+  print("| contender | steps/s | tfdist / it, per round |")
+  print("|---|---:|---:|")
   for name, rate in rates.items():
-    print(f"| {name} | {rate:.0f} | {rates['tfdist'] / rate:.3f} | "
-          f"{rates['tfdist --jit_compile'] / rate:.3f} |")
+    ratios = [a / b for a, b in zip(rates["tfdist"], rate)]
+    print(f"| {name} | {inprocess.spread(rate)} | "
+          f"{inprocess.spread(ratios, '{:.3f}')} |")
 
   wide = inprocess.bench_config(model="mlp_wide", synthetic_shape=(32, 32, 1),
-                 batch_size=FLAGS.flops_batch_size, steps_per_loop=10)
-  wide_data = data.load(wide)
-  trainer_run = inprocess.tfdist_contender(wide, info, wide_data)
-  rate = inprocess.measure({"tfdist": trainer_run}, FLAGS.flops_steps,
-                  FLAGS.rounds)["tfdist"]
-  import models
+                                batch_size=FLAGS.flops_batch_size,
+                                steps_per_loop=10)
+  trainer_run = inprocess.tfdist_contender(wide, info)
+  wide_rates = inprocess.measure({"tfdist": trainer_run}, FLAGS.flops_steps,
+                                 FLAGS.rounds)["tfdist"]
   model = models.build("mlp_wide", input_shape=(32, 32, 1), num_classes=10)
   model(tf.zeros([1, 32, 32, 1]))  # Create the variables to count them.
-  achieved = rate * wide.batch_size * _training_flops_per_example(model)
-  peak = _matmul_flops_per_sec(wide.batch_size, 2048)
-  print(f"\nWide MLP 1024-2048-2048-10, batch {wide.batch_size}:")
+  flops = wide.batch_size * _training_flops_per_example(model)
+  peaks = [_matmul_flops_per_sec(wide.batch_size, 2048)
+           for _ in range(FLAGS.rounds)]
+  achieved = [rate * flops for rate in wide_rates]
+  print(f"\nWide MLP 1024-2048-2048-10, batch {wide.batch_size}; median "
+        "[min-max]:")
   print("| measure | GFLOP/s |")
   print("|---|---:|")
-  print(f"| tfdist training | {achieved / 1e9:.1f} |")
-  print(f"| raw tf.matmul {wide.batch_size}x2048x2048 | {peak / 1e9:.1f} |")
-  print(f"| ratio | {achieved / peak:.3f} |")
+  print(f"| tfdist training | {inprocess.spread([a / 1e9 for a in achieved], '{:.1f}')} |")
+  print(f"| raw tf.matmul {wide.batch_size}x2048x2048 | "
+        f"{inprocess.spread([p / 1e9 for p in peaks], '{:.1f}')} |")
+  print(f"| ratio, per round | "
+        f"{inprocess.spread([a / p for a, p in zip(achieved, peaks)], '{:.3f}')} |")
   print(f"\nTensorFlow {tf.__version__}, {os.cpu_count()} CPUs.")
 
 

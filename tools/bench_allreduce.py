@@ -19,7 +19,7 @@ import subprocess
 from absl import app
 from absl import flags
 
-from tools import jobs
+from . import jobs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("short", 200, "Steps of the short run.")
@@ -57,7 +57,7 @@ class Namespace:
 def _gradient_bytes(model, dtype):
   from tfdist import quiet  # pylint: disable=g-import-not-at-top
   with quiet.native_stderr_captured():
-    import models  # pylint: disable=g-import-not-at-top
+    from tfdist import models  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     built = models.build(model, input_shape=(8, 8, 1), num_classes=10)
     built(tf.zeros([1, 8, 8, 1]))  # Create the variables to count them.

@@ -14,11 +14,12 @@ isolate the bubble here; the measured column is the time the pipeline adds,
 """
 
 import os
+import statistics
 
 from absl import app
 from absl import flags
 
-from tools import inprocess
+from . import inprocess
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("rounds", 3, "Interleaved rounds.")
@@ -37,24 +38,20 @@ CONFIGS = {
 
 def main(argv):
   del argv
-  from tfdist import run as run_lib  # pylint: disable=g-import-not-at-top
   base = dict(model="mlp_wide", synthetic_shape=(32, 32, 1),
               batch_size=FLAGS.batch_size, steps_per_loop=FLAGS.steps,
               num_cpu_devices=4, num_microbatches=FLAGS.num_microbatches)
-  info = run_lib.start_tensorflow(inprocess.bench_config(**base))
-  from tfdist import data  # pylint: disable=g-import-not-at-top
+  info = inprocess.start(inprocess.bench_config(**base))
   from tfdist import placement  # pylint: disable=g-import-not-at-top
-  from tfdist import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
 
-  dataset = data.load(inprocess.bench_config(**base))
   runs, device_bytes = {}, {}
   for name, overrides in CONFIGS.items():
-    trainer = trainer_lib.Trainer(
-        config=inprocess.bench_config(**base, **overrides), strategy_info=info,
-        dataset=dataset)
+    trainer = inprocess.build_trainer(
+        inprocess.bench_config(**base, **overrides), info)
     runs[name] = inprocess.train_steps_of(trainer)
     device_bytes[name] = placement.bytes_per_device(trainer.model)
-  rates = inprocess.measure(runs, FLAGS.steps, FLAGS.rounds)
+  rates = {name: statistics.median(r) for name, r in
+           inprocess.measure(runs, FLAGS.steps, FLAGS.rounds).items()}
   cores = os.cpu_count()
   print(f"\nMLP 1024-2048-2048-10, batch {FLAGS.batch_size}, "
         f"{FLAGS.num_microbatches} micro-batches, {FLAGS.rounds} rounds of "

@@ -14,7 +14,7 @@ import statistics
 from absl import app
 from absl import flags
 
-from tools import jobs
+from . import jobs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("short", 500, "Steps of the short run.")

@@ -19,6 +19,21 @@ def bench_config(**overrides):
   return config_lib.Config(**{**base, **overrides})
 
 
+def start(config):
+  """Starts TensorFlow for in-process benchmarks; returns the StrategyInfo."""
+  from tfdist import api
+  return api.start_tensorflow(config, api.Role.TRAINER)
+
+
+def build_trainer(config, info):
+  from tfdist import api
+  from tfdist import builder
+  with api.process_settings(config):
+    return builder.build_trainer(config, info,
+                                 builder.resolve_task(config, info),
+                                 write_dir=config.model_dir)
+
+
 def train_steps_of(trainer):
   """A contender: `run(steps)` trains that many more steps."""
   def run(steps):
@@ -26,20 +41,25 @@ def train_steps_of(trainer):
   return run
 
 
-def tfdist_contender(config, info, dataset):
-  from tfdist import trainer as trainer_lib
-  return train_steps_of(trainer_lib.Trainer(config=config, strategy_info=info,
-                                            dataset=dataset))
+def tfdist_contender(config, info):
+  return train_steps_of(build_trainer(config, info))
 
 
 def measure(contenders, steps, rounds):
-  """Median steps/sec of each contender over interleaved rounds."""
+  """Steps/sec of each contender in every one of `rounds` interleaved
+  rounds: {name: [rate per round]}."""
   for run in contenders.values():
     run(steps)  # Warm-up: tracing and first-call costs.
   rates = {name: [] for name in contenders}
   for _ in range(rounds):
     for name, run in contenders.items():
-      start = time.perf_counter()
+      start_time = time.perf_counter()
       run(steps)
-      rates[name].append(steps / (time.perf_counter() - start))
-  return {name: statistics.median(r) for name, r in rates.items()}
+      rates[name].append(steps / (time.perf_counter() - start_time))
+  return rates
+
+
+def spread(values, fmt="{:.0f}"):
+  """'median [min-max]' of a list of numbers."""
+  return (fmt.format(statistics.median(values)) + " [" +
+          fmt.format(min(values)) + "-" + fmt.format(max(values)) + "]")

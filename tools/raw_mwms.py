@@ -18,6 +18,7 @@ def main():
 
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from . import baseline  # pylint: disable=g-import-not-at-top
   strategy = tf.distribute.MultiWorkerMirroredStrategy(
       communication_options=tf.distribute.experimental.CommunicationOptions(
           implementation=tf.distribute.experimental.CommunicationImplementation
@@ -40,20 +41,7 @@ def main():
 
   iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
 
-  def step(batch):
-    images, labels = batch
-    with tf.GradientTape() as tape:
-      loss = tf.nn.compute_average_loss(
-          keras.losses.sparse_categorical_crossentropy(
-              labels, model(images, training=True), from_logits=True),
-          global_batch_size=args.batch_size)
-    grads = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-
-  @tf.function
-  def loop(iterator, num_steps):
-    for _ in tf.range(num_steps):
-      strategy.run(step, args=(next(iterator),))
+  loop = baseline.loop_function(strategy, model, optimizer, args.batch_size)
 
   done = 0
   while done < args.train_steps:

@@ -1,0 +1,147 @@
+"""The launcher core every process-starting launcher shares: the restart
+policy, signal forwarding, and the flags that go with them.
+
+A launcher gives `Launcher` a function that makes the TaskSpecs of one
+attempt (local processes, ssh commands, Ray actors); the policy is the
+same for all of them:
+- a task fails: the other tasks get SIGTERM (SIGKILL after
+  --stop_grace_seconds) and the whole job is relaunched after
+  --backoff_seconds * 2**(k-1), up to --max_restarts times. In a PS job a
+  failed worker is restarted on its own instead;
+- Ctrl-C or SIGTERM to the launcher is forwarded to every task.
+
+Exit code: 0 when training finished, otherwise the failing task's code
+(or 1), and 128+N when the launcher itself got signal N.
+"""
+
+import argparse
+import signal
+import sys
+import time
+
+from . import description
+from . import processes
+from tfdist.errors import PREEMPTED_EXIT_CODE
+
+
+def add_restart_arguments(parser):
+  """Flags every process-starting launcher shares."""
+  parser.add_argument("--max_restarts", type=int, default=0,
+                      help="Relaunch the job this many times after a task "
+                      "fails (default 0).")
+  parser.add_argument("--backoff_seconds", type=float, default=1.0,
+                      help="Wait before restart k: backoff * 2**(k-1).")
+  parser.add_argument("--stop_grace_seconds", type=float, default=30.0,
+                      help="After SIGTERM, wait this long before SIGKILL.")
+  parser.add_argument("--module", default="tfdist.train",
+                      help="Python module each task runs (default "
+                      "tfdist.train).")
+  parser.add_argument("train_args", nargs=argparse.REMAINDER,
+                      help="-- then the flags of the training program.")
+
+
+def finish_args(parser, args):
+  if args.train_args and args.train_args[0] == "--":
+    args.train_args = args.train_args[1:]
+  if args.max_restarts < 0:
+    parser.error(f"--max_restarts must be >= 0. Received: "
+                 f"{args.max_restarts}")
+
+
+class Launcher:
+  """Runs the job, restarting it on failure; see the module docstring.
+
+  `make_tasks(args)` gives the TaskSpecs of one attempt: local processes
+  in launch.local, ssh commands in launch.ssh.
+  """
+
+  def __init__(self, args, *, make_tasks, out=sys.stdout):
+    self._args = args
+    self._make_tasks = make_tasks
+    self._out = out
+    self._signalled = None
+    self._job = None
+
+  def _log(self, message):
+    processes.write_line(self._out, f"[launch] {message}")
+
+  def _on_signal(self, signum, frame):
+    del frame
+    self._signalled = signum
+    if self._job:
+      self._job.forward(signum)
+
+  def run(self):
+    for signum in (signal.SIGINT, signal.SIGTERM):
+      signal.signal(signum, self._on_signal)
+    restarts = 0
+    while True:
+      code, failed = self._run_once(restarts)
+      if self._signalled:
+        self._log(f"stopped by signal {self._signalled}.")
+        return 128 + self._signalled
+      if code == 0:
+        self._log("training finished: every task exited 0.")
+        return 0
+      if restarts >= self._args.max_restarts:
+        self._log(f"{failed} exited with code {code}; no restarts left "
+                  f"({restarts} of {self._args.max_restarts} used). "
+                  "Training did not finish.")
+        return code if code > 0 else 1
+      restarts += 1
+      delay = self._args.backoff_seconds * 2 ** (restarts - 1)
+      why = ("was preempted and saved a checkpoint"
+             if code == PREEMPTED_EXIT_CODE else f"exited with code {code}")
+      self._log(f"{failed} {why}; restarting the job in "
+                f"{delay:.1f}s (restart {restarts} of "
+                f"{self._args.max_restarts}).")
+      if self._sleep(delay):
+        return 128 + self._signalled
+
+  def _sleep(self, seconds):
+    """Sleeps unless a signal arrives; returns True if one did."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not self._signalled:
+      time.sleep(0.05)
+    return bool(self._signalled)
+
+  def _run_once(self, attempt):
+    self._job = processes.Job(self._make_tasks(self._args), out=self._out,
+                              grace_seconds=self._args.stop_grace_seconds,
+                              log=self._log)
+    self._job.start()
+    for task in self._job.tasks:
+      self._log(f"started {task.name} pid={task.process.pid} at "
+                f"{task.address} (attempt {attempt + 1})")
+    try:
+      return self._wait_restarting_alone()
+    finally:
+      self._job.stop()
+      self._job = None
+
+  def _wait_restarting_alone(self):
+    """Waits for the job; restarts a task on its own where that is enough.
+
+    Returns (exit code, name of the failed task or None).
+    """
+    restarts = {}
+    while True:
+      code, task = self._job.wait()
+      if code == 0:
+        return 0, None
+      role = task.spec.role
+      used = restarts.get(task.name, 0)
+      if (self._signalled or used >= self._args.max_restarts or
+          not description.restarts_alone(self._args.cluster, role)):
+        return code, task.name
+      restarts[task.name] = used + 1
+      delay = self._args.backoff_seconds * 2 ** used
+      self._log(f"{task.name} exited with code {code}; restarting it alone "
+                f"in {delay:.1f}s (restart {used + 1} of "
+                f"{self._args.max_restarts}); the coordinator re-dispatches "
+                "its steps.")
+      if self._sleep(delay):
+        return code, task.name
+      self._job.start_task(task)
+      self._log(f"started {task.name} pid={task.process.pid} at "
+                f"{task.address}")

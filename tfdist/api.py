@@ -1,0 +1,181 @@
+"""The Python API, `tfdist.train(...)`, and the start-up of one task.
+
+    import tfdist
+    result = tfdist.train(MyTask(), model_dir="runs/mine", strategy="mirrored",
+                          num_cpu_devices=2)
+
+The CLI (python -m tfdist.train) is a thin wrapper over `run`. Start-up
+order matters: a multi-worker strategy must exist before any other
+TensorFlow op runs, so the task's role is decided from TF_CONFIG first,
+then TensorFlow starts, then the strategy, and only then is user code
+(the task) imported and built.
+"""
+
+import contextlib
+import dataclasses
+import enum
+import os
+import shutil
+import tempfile
+
+from absl import logging
+
+from tfdist import config as config_lib
+from tfdist import quiet
+from tfdist.errors import ConfigError
+from tfdist.errors import TfdistError
+
+
+class Role(enum.Enum):
+  TRAINER = "trainer"  # Trains: the chief, an MWMS worker, a lone process.
+  SERVER = "server"  # A ps or worker task of a parameter-server job.
+  EVALUATOR = "evaluator"  # A sidecar evaluator.
+
+
+def role_of(config, tf_config):
+  """This task's role, decided once from the Config and TF_CONFIG."""
+  if tf_config is None:
+    return Role.TRAINER
+  if tf_config.task_type == "evaluator":
+    return Role.EVALUATOR
+  if (tf_config.task_type in ("ps", "worker") and tf_config.cluster.get("ps")
+      and config.strategy in ("parameter_server", "auto")):
+    return Role.SERVER
+  return Role.TRAINER
+
+
+def ensure_writable_dir(path):
+  """Creates `path` if needed and proves a file can be written in it."""
+  try:
+    os.makedirs(path, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path, prefix=".tfdist-probe-"):
+      pass
+  except OSError as e:
+    raise TfdistError(f"model_dir {path} is not writable: "
+                      f"{e.strerror or e}") from None
+
+
+@contextlib.contextmanager
+def process_settings(config):
+  """Keras's process-wide mixed-precision policy and seed, for one run;
+  the caller's policy comes back afterwards."""
+  import keras
+  previous = keras.mixed_precision.global_policy().name
+  keras.mixed_precision.set_global_policy(
+      "float32" if config.mixed_precision == "none"
+      else config.mixed_precision)
+  keras.utils.set_random_seed(config.seed)
+  try:
+    yield
+  finally:
+    keras.mixed_precision.set_global_policy(previous)
+
+
+def start_tensorflow(config, role, *, tf_config=None,
+                     show_native_logs=False):
+  """Imports TF, splits the CPU and creates what this role needs, in that
+  order: the started server (SERVER) or the StrategyInfo."""
+  with quiet.native_stderr_captured(enabled=not show_native_logs):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdist import strategies  # pylint: disable=g-import-not-at-top
+    import tensorflow_datasets  # noqa: F401  (its import warns on stderr)
+    strategies.configure_cpu_devices(config.num_cpu_devices)
+    if role is Role.SERVER:
+      from tfdist import ps_server  # pylint: disable=g-import-not-at-top
+      return ps_server.start_server(tf_config)
+    if role is Role.EVALUATOR:
+      # The sidecar evaluator trains nothing: one local device, no cluster.
+      info = strategies.create_strategy(
+          dataclasses.replace(config, strategy="default"))
+      info = dataclasses.replace(info, reason="sidecar evaluator")
+    else:
+      info = strategies.create_strategy(config, tf_config=tf_config)
+    tf.config.list_logical_devices()
+  logging.info("Strategy: %s (%s), %d replica(s)%s.", info.name, info.reason,
+               info.num_replicas,
+               f", {info.num_workers} workers" if info.coordinator else "")
+  return info
+
+
+def run(config, *, task=None, tf_config=None, show_native_logs=False):
+  """Runs this task of the job; returns the Trainer's RunResult, or None
+  for a ps/worker server or a sidecar evaluator."""
+  role = role_of(config, tf_config)
+  ensure_writable_dir(config.model_dir)
+  started = start_tensorflow(config, role, tf_config=tf_config,
+                             show_native_logs=show_native_logs)
+  if role is Role.SERVER:
+    from tfdist import ps_server  # pylint: disable=g-import-not-at-top
+    del started  # This task's tf.distribute.Server: it serves meanwhile.
+    ps_server.serve_until_chief_done(tf_config)
+    return None
+  info = started
+  from tfdist import builder  # pylint: disable=g-import-not-at-top
+  # Non-chief workers write to a scratch dir that is removed afterwards.
+  write_dir = (config.model_dir if info.is_chief else
+               tempfile.mkdtemp(prefix=f"tfdist-worker{info.worker_index}-"))
+  try:
+    with process_settings(config):
+      trainer = builder.build_trainer(
+          config, info, builder.resolve_task(config, info, task),
+          write_dir=write_dir)
+    if role is Role.EVALUATOR:
+      return _run_sidecar(trainer, config)
+    return trainer.run()
+  finally:
+    if write_dir != config.model_dir:
+      shutil.rmtree(write_dir, ignore_errors=True)
+
+
+def _run_sidecar(trainer, config):
+  logging.info("Sidecar evaluator: watching %s for checkpoints up to step "
+               "%d.", config.model_dir, config.train_steps)
+  metrics = trainer.evaluate_checkpoints(
+      timeout_seconds=config.sidecar_timeout)
+  if metrics is None:
+    raise TfdistError(f"sidecar evaluator: no checkpoint at step "
+                      f"{config.train_steps} appeared in {config.model_dir} "
+                      f"within {config.sidecar_timeout:g}s.")
+  logging.info("Sidecar evaluator done at step %d.", trainer.step)
+  return None
+
+
+def train(task_or_config=None, *, tf_config=None, **options):
+  """Trains like `python -m tfdist.train`, in this process.
+
+  `task_or_config` is a tfdist.Task, a tfdist Config, or None (the options
+  alone, e.g. model="mlp", dataset="digits"). Keyword options are the CLI's
+  flags without dashes; they override the Config's. `tf_config` is a parsed
+  tfdist.cluster.TaskConfig, or None for one process. Returns the
+  RunResult (step, eval_metrics, train_metrics, checkpoint, export_dir).
+  """
+  from tfdist import task as task_lib  # pylint: disable=g-import-not-at-top
+  task = None
+  if isinstance(task_or_config, config_lib.Config):
+    config = dataclasses.replace(task_or_config, **options)
+  elif task_or_config is None or isinstance(task_or_config, task_lib.Task):
+    task = task_or_config
+    unknown = sorted(set(options) - {f.name for f in
+                                     dataclasses.fields(config_lib.Config)})
+    if unknown:
+      raise ConfigError(f"Unrecognized option(s): {', '.join(unknown)}")
+    config = config_lib.Config(**options)
+  else:
+    raise ConfigError("tfdist.train takes a tfdist.Task, a Config or None. "
+                      f"Received: a {type(task_or_config).__name__}")
+  return run(config, task=task, tf_config=tf_config,
+             show_native_logs=config.native_logs)
+
+
+def summary_lines(config, result):
+  """The closing lines printed after a run."""
+  evals = result.eval_metrics
+  names = [k for k in evals if k not in ("loss", "examples")] + ["loss"]
+  shown = ", ".join(f"eval {k} {evals[k]:.4f}" for k in names)
+  return [
+      f"Finished at step {result.step}/{config.train_steps} in "
+      f"{result.seconds:.1f}s: {shown} ({evals['examples']} examples).",
+      f"  checkpoint:  {result.checkpoint}",
+      f"  export:      {result.export_dir or '(not exported)'}",
+      f"  tensorboard: tensorboard --logdir {config.model_dir}",
+  ]

@@ -1,0 +1,210 @@
+"""Builds a Trainer's parts from a Config, a strategy and a Task.
+
+The model (placed per the model-parallel plan), the optimizer, the
+compiled loops and their runner, the checkpoint store, the summaries and
+the export: made here, then handed to tfdist.trainer.Trainer.
+"""
+
+import os
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+from tfdist import checkpoints
+from tfdist import compiled_loops
+from tfdist import data
+from tfdist import devices
+from tfdist import export
+from tfdist import optimizers
+from tfdist import placement
+from tfdist import preflight
+from tfdist import replica_check
+from tfdist import runners
+from tfdist import summaries as summaries_lib
+from tfdist import task as task_lib
+from tfdist import trainer as trainer_lib
+from tfdist.errors import ConfigError
+
+
+def _first_line(error):
+  return (str(error).splitlines() or [type(error).__name__])[0][:240]
+
+
+def _features(batch):
+  return batch[0]
+
+
+def _build_variables(model, example):
+  if isinstance(model, keras.Sequential) and not model.built:
+    placement.build_blocks(model.layers, example)
+  elif not model.built:
+    model(example)
+
+
+def _pipeline(config, task, model, example, num_replicas):
+  if not isinstance(model, keras.Sequential):
+    raise ConfigError(f"model {task.display_name!r} is not a chain of "
+                      "blocks (a keras.Sequential) and cannot be split into "
+                      "pipeline stages; use mlp or transformer.")
+  del num_replicas
+  local = devices.local_devices()
+  # Build once where TF likes, only to weigh the blocks for the plan...
+  placement.build_blocks(model.layers, example)
+  sizes = [(b.name, placement.params(b)) for b in model.layers]
+  if config.placement:
+    plan = placement.plan_from_spec(placement.parse_spec(config.placement),
+                                    [name for name, _ in sizes])
+    placement.check_devices([s.device for s in plan.stages], local)
+  else:
+    plan = placement.auto_plan(sizes, local, config.num_stages)
+  # ...then again, from the same seed, with each block on its device.
+  keras.utils.set_random_seed(config.seed)
+  blocks = list(task.build_model().layers)
+  placement.build_blocks(blocks, example, plan)
+  pipelined = placement.PipelinedModel(
+      blocks, plan, config.num_microbatches,
+      name=f"{task.display_name.replace(':', '_')}_pipeline")
+  for line in placement.table(plan, {b.name: b for b in blocks}):
+    logging.info("placement %s", line)
+  return pipelined
+
+
+def build_model(config, info, task, sample):
+  """The task's model with its variables created, under the strategy."""
+  model = task.build_model()
+  if not isinstance(model, keras.Model):
+    raise ConfigError(f"{task.display_name}.build_model() returned a "
+                      f"{type(model).__name__}, not a keras.Model.")
+  example = _features(sample)
+  if config.model_parallel == "pipeline":
+    return _pipeline(config, task, model, example, info.num_replicas)
+  try:
+    _build_variables(model, example)
+  except ConfigError:
+    raise
+  except Exception as e:  # Keras raises many types for mismatched inputs.
+    raise ConfigError(f"the dataset's features do not fit the model "
+                      f"{task.display_name!r}: {_first_line(e)}") from None
+  return model
+
+
+def check_model_fits_data(task, model, sample):
+  """Runs the model and the loss on a few examples, for one-line errors."""
+  features, labels = sample
+  try:
+    outputs = model(features, training=False)
+  except Exception as e:  # Keras raises many types for mismatched inputs.
+    raise ConfigError(f"the dataset's features do not fit the model "
+                      f"{task.display_name!r}: {_first_line(e)}") from None
+  try:
+    compiled_loops.per_example_loss(task, labels, outputs)
+  except ConfigError:
+    raise
+  except Exception as e:  # The loss may raise anything on bad labels.
+    raise ConfigError(f"the labels do not fit the loss of "
+                      f"{task.display_name!r}: {_first_line(e)}") from None
+
+
+def _log_ps_placement(model):
+  """Bytes of model variables per parameter server."""
+  def task_of(weight):
+    spec = tf.DeviceSpec.from_string(weight.value.device)
+    return f"{spec.job}:{spec.task}"
+  names = {}
+  for weight in model.weights:
+    names.setdefault(task_of(weight), []).append(weight.path)
+  for task, size in devices.bytes_by(model.weights, task_of).items():
+    logging.info("placement %s: %d bytes in %d variable(s): %s", task, size,
+                 len(names[task]), ", ".join(names[task]))
+
+
+def resolve_task(config, info, task=None):
+  """The Task to train: the one given (Python API), else the Config's."""
+  if task is not None:
+    return task
+  local = devices.local_devices()
+  return task_lib.from_config(
+      config, partitioner=info.partitioner,
+      tensor_parallel_devices=(local[:config.tensor_parallel]
+                               if config.model_parallel == "tensor" else None))
+
+
+def build_trainer(config, info, task, *, write_dir):
+  """Every part of a run, handed to a Trainer."""
+  local = devices.local_devices()
+  preflight.check_run(config, info, local)
+  dataset = task.data()
+  sample = data.sample_batch(dataset)
+  strategy = info.strategy
+  with strategy.scope():
+    model = build_model(config, info, task, sample)
+    schedule = optimizers.schedule_kwargs(config)
+    optimizer = optimizers.create(
+        config.optimizer, schedule=schedule, weight_decay=config.weight_decay,
+        mixed_precision=config.mixed_precision)
+    optimizer.build(model.trainable_variables)
+    global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                              name="global_step")
+  check_model_fits_data(task, model, sample)
+  metrics = compiled_loops.Metrics(task.metrics())
+  loops = compiled_loops.LoopFunctions(
+      strategy=strategy, model=model, optimizer=optimizer, task=task,
+      metrics=metrics, global_batch_size=config.batch_size,
+      steps_per_loop=config.steps_per_loop, global_step=global_step,
+      grad_accum_steps=config.grad_accum_steps, clip_norm=config.clip_norm,
+      allreduce_dtype=config.allreduce_dtype,
+      jit_compile=preflight.jit_mode(config, info, local))
+  runner = runners.create(info, loops)
+  store = checkpoints.CheckpointStore(
+      checkpoint=tf.train.Checkpoint(model=model, optimizer=optimizer,
+                                     step=global_step),
+      model_dir=config.model_dir, write_dir=write_dir,
+      keep=config.keep_checkpoints,
+      signature=checkpoints.model_signature(
+          model_name=task.display_name, model=model,
+          num_classes=getattr(task, "num_classes", None)))
+  checker = (replica_check.ReplicaChecker(
+      strategy=strategy, variables=model.weights,
+      replicas_per_worker=max(info.num_replicas // info.num_workers, 1))
+             if config.check_replicas_every else None)
+  if info.coordinator:
+    _log_ps_placement(model)
+  startup_scalars = {}
+  if config.model_parallel != "none":
+    for device, size in placement.bytes_per_device(model).items():
+      logging.info("variable bytes on %s: %d", device, size)
+      startup_scalars[f"variable_bytes/{device}"] = size
+
+  def after_restore():
+    # A constant rate is a variable in the checkpoint; the flag given now
+    # wins. A schedule is a function of the restored step.
+    if schedule["schedule"] == "constant" and not schedule["warmup_steps"]:
+      optimizer.learning_rate.assign(config.learning_rate)
+
+  def export_now():
+    if not config.export:
+      return None
+    # Every worker exports (saving may need collectives); only the chief's
+    # write_dir is model_dir.
+    export_dir = os.path.join(write_dir, "export")
+    export.export_saved_model(
+        model, serving_outputs=task.serving_outputs,
+        features_spec=data.features_spec(dataset), export_dir=export_dir,
+        input_name="images" if dataset.input_shape else "features")
+    logging.info("Exported SavedModel to %s.", export_dir)
+    return export_dir
+
+  return trainer_lib.Trainer(
+      options=trainer_lib.LoopOptions.from_config(config), model=model,
+      optimizer=optimizer, global_step=global_step, runner=runner,
+      loops=loops, checkpoints=store,
+      summaries=summaries_lib.Summaries(config.model_dir,
+                                        enabled=info.is_chief),
+      dataset=dataset,
+      describe=(f"{task.display_name} on {dataset.name} with {info.name} "
+                f"over {info.num_replicas} replica(s)"),
+      learning_rate=lambda step: optimizers.scheduled_rate(step, **schedule),
+      replica_checker=checker, export_fn=export_now,
+      after_restore=after_restore, hparams=config.to_dict(),
+      startup_scalars=startup_scalars)

@@ -1,0 +1,296 @@
+"""The compiled train and eval steps of one task on one strategy.
+
+Each replica carries its running sums through a `tf.range` loop of
+`steps_per_loop` steps, and the sums are reduced across replicas once per
+call, packed into one vector: a call adds one small reduction on top of the
+gradient all-reduce, not one per step. Per step a replica adds its loss to
+a sum, keeps the index of its first non-finite loss, and updates the task's
+metrics statelessly; that is all it does besides forward, backward and the
+update.
+
+How these loops are called on each kind of strategy lives in
+tfdist.runners.
+"""
+
+import dataclasses
+from typing import List, NamedTuple, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist import compression
+from tfdist.errors import ConfigError
+
+SUM = tf.distribute.ReduceOp.SUM
+
+
+@dataclasses.dataclass
+class LoopSums:
+  """What loop calls bring back to the host, summed over the calls."""
+
+  steps: int = 0
+  loss_sum: float = 0.0  # Train: sum of per-step losses; eval: per example.
+  examples: float = 0.0  # Eval only: real (weight 1) examples.
+  first_nonfinite: Optional[int] = None  # Step offset within these sums.
+  metric_states: Optional[List[List[np.ndarray]]] = None
+
+  def add(self, other: "LoopSums") -> "LoopSums":
+    first = self.first_nonfinite
+    if first is None and other.first_nonfinite is not None:
+      first = self.steps + other.first_nonfinite
+    states = other.metric_states if self.metric_states is None else [
+        [a + b for a, b in zip(mine, theirs)]
+        for mine, theirs in zip(self.metric_states, other.metric_states)]
+    return LoopSums(steps=self.steps + other.steps,
+                    loss_sum=self.loss_sum + other.loss_sum,
+                    examples=self.examples + other.examples,
+                    first_nonfinite=first, metric_states=states)
+
+
+class Metrics:
+  """A task's Keras metrics, updated statelessly and reduced as sums."""
+
+  def __init__(self, metrics):
+    self._metrics = list(metrics)
+    names = [m.name for m in self._metrics]
+    if len(set(names)) != len(names) or {"loss", "examples"} & set(names):
+      raise ConfigError(f"metric names must be unique and not 'loss' or "
+                        f"'examples'. Received: {names}")
+    for metric in self._metrics:
+      for variable in metric.variables:
+        if variable.aggregation != "sum":
+          raise ConfigError(
+              f"metric {metric.name!r} keeps state {variable.path} with "
+              f"aggregation={variable.aggregation!r}; tfdist reduces metric "
+              "state exactly only when it is summed.")
+    self.initial = [[np.array(v.numpy()) for v in m.variables]
+                    for m in self._metrics]
+    self.names = names
+
+  def zeros(self):
+    return [[tf.constant(value) for value in state] for state in self.initial]
+
+  def update(self, states, labels, outputs, sample_weight=None):
+    return [list(metric.stateless_update_state(
+        state, labels, outputs, sample_weight=sample_weight))
+            for metric, state in zip(self._metrics, states)]
+
+  def results(self, states):
+    values = {}
+    for metric, state in zip(self._metrics, states):
+      result = metric.stateless_result(
+          [tf.constant(v) for v in state])
+      values[metric.name] = float(np.asarray(result))
+    return values
+
+  def sizes(self):
+    return [[int(np.prod(v.shape)) for v in state] for state in self.initial]
+
+
+class TrainState(NamedTuple):
+  loss: tf.Tensor
+  first_nonfinite: tf.Tensor  # -1 until a step's loss is not finite.
+  metrics: list
+
+
+class EvalState(NamedTuple):
+  loss: tf.Tensor
+  examples: tf.Tensor
+  metrics: list
+
+
+def per_example_loss(task, labels, outputs):
+  """The task's loss, checked to be per example ([batch] or more)."""
+  loss = task.loss(labels, outputs)
+  if loss.shape.rank == 0:
+    raise ConfigError(
+        f"{task.display_name}'s loss returned a scalar; tfdist needs the "
+        "per-example loss (shape [batch]) to scale it by the global batch. "
+        "Use a Keras loss with reduction=None.")
+  loss = tf.cast(loss, tf.float32)
+  if loss.shape.rank > 1:
+    loss = tf.reduce_mean(loss, axis=list(range(1, loss.shape.rank)))
+  return loss
+
+
+class LoopFunctions:
+  """Builds the replica steps and the loops over them."""
+
+  def __init__(self, *, strategy, model, optimizer, task, metrics,
+               global_batch_size, steps_per_loop, global_step,
+               grad_accum_steps=1, clip_norm=0.0, allreduce_dtype="float32",
+               jit_compile="none"):
+    self._strategy = strategy
+    self._model = model
+    self._optimizer = optimizer
+    self._task = task
+    self.metrics = metrics
+    self._global_batch_size = global_batch_size
+    self._steps_per_loop = steps_per_loop
+    self._global_step = global_step
+    self._accum = grad_accum_steps
+    self._clip_norm = clip_norm
+    self._allreduce_dtype = allreduce_dtype
+    # The step all-reduces its gradients itself (compression, clipping
+    # after the reduction), so the optimizer must not do it again.
+    compression.take_over_reduction(optimizer)
+    # "step": XLA compiles the whole replica step, optimizer update
+    # included (one replica per process). "forward": only forward and
+    # backward (several replicas: the update all-reduces across devices,
+    # which XLA cannot place).
+    self._jit = jit_compile
+    self._gradients = (tf.function(self._forward_backward, jit_compile=True)
+                       if jit_compile == "forward" else self._forward_backward)
+    self.train_step = (tf.function(self._train_step, jit_compile=True)
+                       if jit_compile == "step" else self._train_step)
+    self.eval_step = (tf.function(self._eval_step, jit_compile=True)
+                      if jit_compile != "none" else self._eval_step)
+
+  # Replica steps ---------------------------------------------------------
+
+  def _forward_backward(self, features, labels, metric_states):
+    model = self._model
+    with tf.GradientTape() as tape:
+      outputs = model(features, training=True)
+      per_example = per_example_loss(self._task, labels, outputs)
+      loss = tf.nn.compute_average_loss(
+          per_example, global_batch_size=self._global_batch_size)
+      if model.losses:
+        loss += tf.nn.scale_regularization_loss(
+            tf.add_n(model.losses)) / self._accum
+      scaled = self._optimizer.scale_loss(loss)
+    grads = tape.gradient(scaled, model.trainable_variables)
+    return loss, grads, self.metrics.update(metric_states, labels, outputs)
+
+  def _accumulated(self, features, labels, metric_states):
+    """K micro-batches one after another (a while loop, so only one
+    micro-batch's activations are alive at a time); gradients summed."""
+    k = self._accum
+
+    def micro(structure, i):
+      return tf.nest.map_structure(
+          lambda t: tf.reshape(t, tf.concat([[k, -1], tf.shape(t)[1:]], 0))[i],
+          structure)
+
+    variables = self._model.trainable_variables
+    zeros = [tf.zeros_like(v) for v in variables]
+
+    def body(i, loss, grads, states):
+      step_loss, step_grads, states = self._gradients(
+          micro(features, i), micro(labels, i), states)
+      grads = [g + tf.convert_to_tensor(s) for g, s in zip(grads, step_grads)]
+      return i + 1, loss + step_loss, grads, states
+
+    _, loss, grads, states = tf.while_loop(
+        lambda i, *_: i < k, body,
+        (tf.constant(0), tf.constant(0.0), zeros, metric_states),
+        parallel_iterations=1)
+    return loss, grads, states
+
+  def _train_step(self, batch, state, index):
+    features, labels = batch
+    if self._accum > 1:
+      loss, grads, metric_states = self._accumulated(features, labels,
+                                                     state.metrics)
+    else:
+      loss, grads, metric_states = self._gradients(features, labels,
+                                                   state.metrics)
+    grads = compression.all_reduce(grads, self._allreduce_dtype)
+    if self._clip_norm:
+      grads, _ = tf.clip_by_global_norm(grads, self._clip_norm)
+    self._optimizer.apply_gradients(
+        zip(grads, self._model.trainable_variables))
+    first = tf.where((state.first_nonfinite < 0) &
+                     tf.logical_not(tf.math.is_finite(loss)),
+                     index, state.first_nonfinite)
+    return TrainState(state.loss + loss, first, metric_states)
+
+  def _eval_step(self, batch, state):
+    features, labels, weights = batch
+    outputs = self._model(features, training=False)
+    per_example = per_example_loss(self._task, labels, outputs)
+    return EvalState(
+        state.loss + tf.reduce_sum(per_example * weights),
+        state.examples + tf.reduce_sum(weights),
+        self.metrics.update(state.metrics, labels, outputs,
+                            sample_weight=weights))
+
+  def train_zeros(self):
+    return TrainState(tf.constant(0.0), tf.constant(-1, tf.int32),
+                      self.metrics.zeros())
+
+  def eval_zeros(self):
+    return EvalState(tf.constant(0.0), tf.constant(0.0),
+                     self.metrics.zeros())
+
+  # Loops (traced inside a runner's tf.function) --------------------------
+
+  def train_steps(self, iterator, num_steps):
+    """`num_steps` replica steps; returns the packed, reduced sums."""
+    run = self._strategy.run
+    state = run(self.train_zeros)
+    for index in tf.range(num_steps):
+      state = run(self.train_step, args=(next(iterator), state, index))
+    return self._reduce(self.pack_train, state)
+
+  def eval_steps(self, iterator, num_steps):
+    run = self._strategy.run
+    state = run(self.eval_zeros)
+    for _ in tf.range(num_steps):
+      state = run(self.eval_step, args=(next(iterator), state))
+    return self._reduce(self.pack_eval, state)
+
+  def count_steps(self, num_steps):
+    """Adds to the global step (atomic, even on a parameter server)."""
+    self._global_step.assign_add(tf.cast(num_steps, tf.int64))
+
+  def _reduce(self, pack, state):
+    packed = self._strategy.run(pack, args=(state,))
+    return self._strategy.reduce(SUM, packed, axis=None)
+
+  # Packing: one float vector per call -----------------------------------
+
+  def _pack_metrics(self, states):
+    return [tf.reshape(tf.cast(v, tf.float32), [-1])
+            for state in states for v in state]
+
+  def pack_train(self, state):
+    # The first bad step as a one-hot, so a SUM over replicas keeps it;
+    # slot steps_per_loop means "none".
+    bad = tf.where(state.first_nonfinite < 0, self._steps_per_loop,
+                   state.first_nonfinite)
+    return tf.concat([tf.reshape(state.loss, [1]),
+                      tf.one_hot(bad, self._steps_per_loop + 1),
+                      *self._pack_metrics(state.metrics)], 0)
+
+  def pack_eval(self, state):
+    return tf.concat([tf.reshape(state.loss, [1]),
+                      tf.reshape(state.examples, [1]),
+                      *self._pack_metrics(state.metrics)], 0)
+
+  def _unpack_metrics(self, vector):
+    states, offset = [], 0
+    for initial in self.metrics.initial:
+      state = []
+      for value in initial:
+        size = value.size
+        state.append(vector[offset:offset + size].reshape(value.shape)
+                     .astype(value.dtype))
+        offset += size
+      states.append(state)
+    return states
+
+  def unpack_train(self, vector, num_steps) -> LoopSums:
+    vector = np.asarray(vector, np.float64)
+    bad = np.flatnonzero(vector[1:1 + self._steps_per_loop])
+    return LoopSums(
+        steps=num_steps, loss_sum=float(vector[0]),
+        first_nonfinite=int(bad[0]) if bad.size else None,
+        metric_states=self._unpack_metrics(
+            vector[2 + self._steps_per_loop:]))
+
+  def unpack_eval(self, vector, num_steps) -> LoopSums:
+    vector = np.asarray(vector, np.float64)
+    return LoopSums(steps=num_steps, loss_sum=float(vector[0]),
+                    examples=float(vector[1]),
+                    metric_states=self._unpack_metrics(vector[2:]))

@@ -1,0 +1,215 @@
+"""Every run option, defined once: name, default, help, section and check.
+
+The absl flags (tfdist.train), the frozen Config (tfdist.config), the
+HParams log and the README's flag table all come from OPTIONS. Adding an
+option means adding one Option here. No TensorFlow import: flags are
+checked before TensorFlow starts.
+"""
+
+import dataclasses
+from typing import Any, Optional, Tuple
+
+from tfdist import optimizers
+from tfdist import strategies
+
+# Sections, in the order --helpfull shows them.
+SECTIONS = ("run", "task", "optimization", "loop", "output",
+            "multi_worker", "parameter_server", "model_parallel", "cluster")
+
+MIXED_PRECISION = ("none", "mixed_float16", "mixed_bfloat16")
+LR_SCHEDULES = ("constant", "cosine", "linear", "step")
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """One option. `kind` is str, int, float, bool, enum or ints (a list of
+  integers); `minimum`/`above` bound numbers (>= and >)."""
+
+  name: str
+  default: Any
+  help: str
+  section: str
+  kind: str = "str"
+  choices: Tuple[str, ...] = ()
+  minimum: Optional[float] = None
+  above: Optional[float] = None
+
+  def check(self, value):
+    """Returns an error message for a bad value, else None."""
+    wrong_type = _type_error(self, value)
+    if wrong_type:
+      return wrong_type
+    if self.kind == "enum" and value not in self.choices:
+      return (f"Unrecognized {self.name}: {value!r}. "
+              f"Valid: {', '.join(self.choices)}.")
+    if self.kind == "ints":
+      if value is None:
+        return None
+      numbers = value
+    elif self.kind in ("int", "float"):
+      numbers = (value,)
+    else:
+      return None
+    shown = ",".join(str(v) for v in numbers)
+    for number in numbers:
+      if self.above is not None and not number > self.above:
+        return (f"{self.name} must be > {self.above:g}. "
+                f"Received: {self.name}={shown}")
+      if self.minimum is not None and not number >= self.minimum:
+        return (f"{self.name} must be >= {self.minimum:g}. "
+                f"Received: {self.name}={shown}")
+    return None
+
+
+_TYPES = {"str": (str,), "enum": (str,), "bool": (bool,), "int": (int,),
+          "float": (int, float)}
+
+
+def _type_error(option, value):
+  if option.kind == "ints":
+    ok = value is None or (isinstance(value, (tuple, list)) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value))
+    wanted = "a list of integers"
+  else:
+    types = _TYPES[option.kind]
+    ok = isinstance(value, types) and (
+        option.kind == "bool" or not isinstance(value, bool))
+    wanted = {"str": "a string", "enum": "a string", "bool": "True or False",
+              "int": "an integer", "float": "a number"}[option.kind]
+  if ok:
+    return None
+  return f"{option.name} takes {wanted}. Received: {option.name}={value!r}"
+
+
+def _o(name, default, help_text, section, kind=None, **bounds):
+  if kind is None:
+    kind = {bool: "bool", int: "int", float: "float"}.get(type(default),
+                                                           "str")
+  return Option(name, default, help_text, section, kind, **bounds)
+
+
+def _enum(name, default, choices, help_text, section):
+  return Option(name, default, help_text, section, "enum", tuple(choices))
+
+
+OPTIONS = (
+    # run
+    _o("model_dir", "", "Checkpoints, TensorBoard events and the export "
+       "(required).", "run"),
+    _enum("strategy", "auto", ("auto", *strategies.NAMES),
+          "tf.distribute strategy; auto picks from TF_CONFIG and the "
+          "visible devices.", "run"),
+    _o("num_cpu_devices", 1, "Split the host CPU into N logical devices.",
+       "run", above=0),
+    _o("num_replicas", 0, "mirrored: use the first N local devices; 0: all.",
+       "run", minimum=0),
+    _enum("mixed_precision", "none", MIXED_PRECISION,
+          "Keras mixed-precision policy.", "run"),
+    _o("seed", 42, "Seed for weights and data order.", "run"),
+    _o("tpu", "local", "TPU address for --strategy=tpu.", "run"),
+    _o("native_logs", False, "Show TensorFlow's native start-up logs (also "
+       "on with --verbosity>=1).", "run"),
+    # task: what is trained
+    _o("task", "", "A user task, package.module:Name (a tfdist.Task "
+       "subclass or a function returning one); overrides --model/--dataset.",
+       "task"),
+    _o("model", "mlp", "A zoo model (mlp, mlp_wide, cnn, resnet20, "
+       "resnet56, transformer, embedding_bag) or package.module:function "
+       "returning a Keras model.", "task"),
+    _o("dataset", "digits", "digits (offline), synthetic, a tfds catalog "
+       "name, or package.module:function returning (train, eval) datasets.",
+       "task"),
+    _o("data_dir", "~/tensorflow_datasets", "tfds data_dir.", "task"),
+    _o("synthetic_shape", (8, 8, 1), "Input shape of --dataset=synthetic.",
+       "task", "ints", above=0),
+    _o("synthetic_classes", 10, "Classes of --dataset=synthetic.", "task",
+       above=0),
+    # optimization
+    _enum("optimizer", "adam", optimizers.NAMES, "Optimizer.",
+          "optimization"),
+    _o("learning_rate", 1e-3, "Peak learning rate.", "optimization",
+       above=0),
+    _enum("lr_schedule", "constant", LR_SCHEDULES,
+          "Learning-rate schedule after the warmup: constant, cosine or "
+          "linear decay to --end_learning_rate over --decay_steps, or step "
+          "(x0.1 every --decay_steps).", "optimization"),
+    _o("warmup_steps", 0, "Linear warmup from 0 over this many steps.",
+       "optimization", minimum=0),
+    _o("decay_steps", 0, "Steps of decay after the warmup; 0: to "
+       "--train_steps.", "optimization", minimum=0),
+    _o("end_learning_rate", 0.0, "Learning rate at the end of the decay.",
+       "optimization", minimum=0),
+    _o("clip_norm", 0.0, "Clip gradients to this global norm after the "
+       "all-reduce; 0: no clipping.", "optimization", minimum=0),
+    _o("weight_decay", 0.0, "Decoupled weight decay (the optimizer's "
+       "weight_decay).", "optimization", minimum=0),
+    _o("grad_accum_steps", 1, "Run each replica's batch as K micro-batches "
+       "and sum their gradients before the one update.", "optimization",
+       above=0),
+    _o("batch_size", 64, "GLOBAL batch size of one update (all replicas).",
+       "optimization", above=0),
+    # loop
+    _o("train_steps", 300, "Total training steps.", "loop", above=0),
+    _o("steps_per_loop", 50, "Steps per tf.function call.", "loop", above=0),
+    _o("eval_every", 100, "Eval every N steps; 0: at the end only.", "loop",
+       minimum=0),
+    _o("eval_steps", 0, "Eval batches; 0: the whole eval split.", "loop",
+       minimum=0),
+    _o("log_every", 50, "Print a progress line every N steps.", "loop",
+       above=0),
+    _o("jit_compile", False, "XLA-compile the train step. Helps on GPUs and "
+       "TPUs; on CPUs it is usually slower (see the README benchmark).",
+       "loop"),
+    _o("check_replicas_every", 0, "Every N steps, check that all replicas "
+       "hold identical weights; 0: never.", "loop", minimum=0),
+    # output
+    _o("checkpoint_every", 100, "Checkpoint every N steps; 0: at the end "
+       "only.", "output", minimum=0),
+    _o("keep_checkpoints", 3, "Checkpoints kept in model_dir.", "output",
+       above=0),
+    _o("export", True, "Export a SavedModel at the end.", "output"),
+    _o("profile_steps", None, "START,END: profile these steps for "
+       "TensorBoard's Profile tab.", "output", "ints", minimum=0),
+    # multi_worker
+    _enum("all_reduce_alg", "auto", ("auto", "ring", "nccl"),
+          "Collective implementation.", "multi_worker"),
+    _o("bytes_per_pack", 0, "Pack gradients into chunks of this many bytes "
+       "per all-reduce; 0: one pack.", "multi_worker", minimum=0),
+    _o("collective_timeout", 0.0, "Seconds before a collective that a peer "
+       "does not answer fails; 0: no timeout.", "multi_worker", minimum=0),
+    _enum("allreduce_dtype", "float32", ("float32", "float16", "bfloat16"),
+          "All-reduce gradients in this dtype (compression).",
+          "multi_worker"),
+    # parameter_server
+    _o("ps_shard_min_bytes", 256 << 10, "Split variables into shards of at "
+       "least this many bytes; 0: --ps_max_shards fixed shards.",
+       "parameter_server", minimum=0),
+    _o("ps_max_shards", 0, "Most shards per variable; 0: the number of ps "
+       "tasks.", "parameter_server", minimum=0),
+    _o("sidecar_timeout", 600.0, "Evaluator task: give up when no new "
+       "checkpoint appears for this many seconds.", "parameter_server",
+       above=0),
+    # model_parallel
+    _enum("model_parallel", "none", ("none", "pipeline", "tensor"),
+          "Split each replica's model over local devices.", "model_parallel"),
+    _o("num_stages", 2, "pipeline: number of stages.", "model_parallel",
+       above=0),
+    _o("num_microbatches", 1, "pipeline: micro-batches per replica batch "
+       "(GPipe).", "model_parallel", above=0),
+    _o("tensor_parallel", 2, "tensor: devices each split layer spans.",
+       "model_parallel", above=0),
+    _o("placement", "", "pipeline: 'pattern=device;...' or a JSON file "
+       "{pattern: device}; empty: balanced automatic stages.",
+       "model_parallel"),
+    # cluster
+    _enum("cluster", "env", ("env", "slurm"), "Where the cluster comes "
+          "from: TF_CONFIG (env), or Slurm's srun environment (slurm).",
+          "cluster"),
+    _o("ps_tasks", 0, "--cluster=slurm: the first N tasks are parameter "
+       "servers and the next is the chief.", "cluster", minimum=0),
+    _o("cluster_port", 0, "--cluster=slurm: first task port on each node; "
+       "0: derived from the job id.", "cluster", minimum=0),
+)
+
+BY_NAME = {option.name: option for option in OPTIONS}
+assert len(BY_NAME) == len(OPTIONS), "an option is defined twice"

@@ -1,0 +1,72 @@
+"""Checks that need the strategy or the devices: all in one place.
+
+Flag values alone are checked by tfdist.options when the Config is built;
+what depends on the replicas, devices or strategy is checked here, once
+the strategy exists and before anything is built or written.
+"""
+
+from tfdist import strategies
+from tfdist.errors import ConfigError
+
+
+def check_batch_size(global_batch_size, num_replicas):
+  if global_batch_size % num_replicas:
+    raise ConfigError(
+        "batch_size (the global batch) must be divisible by the number of "
+        f"replicas. Received: batch_size={global_batch_size} for "
+        f"{num_replicas} replicas")
+
+
+def jit_mode(config, info, local_devices):
+  """'none', 'step' (whole replica step) or 'forward' (forward/backward
+  only); raises where XLA cannot place the replicas."""
+  if not config.jit_compile:
+    return "none"
+  replicas = info.num_replicas // max(info.num_workers, 1)
+  if info.coordinator is None and replicas <= 1:
+    return "step"
+  if info.coordinator is None and len(local_devices) > 1 and (
+      "GPU" not in local_devices[0].upper()):
+    raise ConfigError(
+        "--jit_compile needs one device per process or GPUs: XLA places all "
+        "logical CPU devices on CPU:0. Received: jit_compile=True with "
+        f"{len(local_devices)} local CPU replicas")
+  return "forward"
+
+
+def check_run(config, info, local_devices):
+  """Every check of the flags against this strategy and these devices."""
+  check_batch_size(config.batch_size, info.num_replicas)
+  per_replica = config.batch_size // info.num_replicas
+  if per_replica % config.grad_accum_steps:
+    raise ConfigError(
+        "grad_accum_steps must divide the per-replica batch. Received: "
+        f"grad_accum_steps={config.grad_accum_steps} for a per-replica "
+        f"batch of {per_replica}")
+  jit_mode(config, info, local_devices)
+  if config.check_replicas_every and info.coordinator:
+    raise ConfigError(
+        "--check_replicas_every compares replicas' copies of the weights; "
+        "under parameter_server there is one copy, on the ps tasks. "
+        f"Received: check_replicas_every={config.check_replicas_every}")
+  if config.model_parallel == "none":
+    return
+  if not strategies.kind(info.name).hosts_model_parallel:
+    hosting = [n for n, k in strategies.STRATEGIES.items()
+               if k.hosts_model_parallel]
+    raise ConfigError(
+        f"--model_parallel={config.model_parallel} needs a strategy whose "
+        f"replica can span local devices: {', '.join(hosting)}. Received: "
+        f"strategy={info.name}")
+  if config.model_parallel == "tensor" and (
+      config.tensor_parallel > len(local_devices)):
+    raise ConfigError(
+        f"tensor_parallel={config.tensor_parallel} needs that many "
+        f"devices; only {len(local_devices)} exist "
+        f"({', '.join(local_devices)}). Raise --num_cpu_devices.")
+  if config.model_parallel == "pipeline" and (
+      per_replica % config.num_microbatches):
+    raise ConfigError(
+        "num_microbatches must divide the per-replica batch. Received: "
+        f"num_microbatches={config.num_microbatches} for a per-replica "
+        f"batch of {per_replica}")
