@@ -42,12 +42,12 @@ def _build_variables(model, example):
     model(example)
 
 
-def _pipeline(config, task, model, example, num_replicas):
+def _pipeline(config, task, model, example):
   if not isinstance(model, keras.Sequential):
     raise ConfigError(f"model {task.display_name!r} is not a chain of "
                       "blocks (a keras.Sequential) and cannot be split into "
-                      "pipeline stages; use mlp or transformer.")
-  del num_replicas
+                      "pipeline stages; use mlp or transformer, or build a "
+                      "keras.Sequential of named blocks.")
   local = devices.local_devices()
   # Build once where TF likes, only to weigh the blocks for the plan...
   placement.build_blocks(model.layers, example)
@@ -70,7 +70,7 @@ def _pipeline(config, task, model, example, num_replicas):
   return pipelined
 
 
-def build_model(config, info, task, sample):
+def build_model(config, task, sample):
   """The task's model with its variables created, under the strategy."""
   model = task.build_model()
   if not isinstance(model, keras.Model):
@@ -78,7 +78,7 @@ def build_model(config, info, task, sample):
                       f"{type(model).__name__}, not a keras.Model.")
   example = _features(sample)
   if config.model_parallel == "pipeline":
-    return _pipeline(config, task, model, example, info.num_replicas)
+    return _pipeline(config, task, model, example)
   try:
     _build_variables(model, example)
   except ConfigError:
@@ -138,7 +138,7 @@ def build_trainer(config, info, task, *, write_dir):
   sample = data.sample_batch(dataset)
   strategy = info.strategy
   with strategy.scope():
-    model = build_model(config, info, task, sample)
+    model = build_model(config, task, sample)
     schedule = optimizers.schedule_kwargs(config)
     optimizer = optimizers.create(
         config.optimizer, schedule=schedule, weight_decay=config.weight_decay,

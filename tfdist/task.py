@@ -296,17 +296,20 @@ def from_config(config, *, partitioner=None, tensor_parallel_devices=None):
   from tfdist import models
   if config.task:
     return load_task(config.task)
+  # The model's module first: a typo fails before any data is read.
+  if is_reference(config.model):
+    function = import_object(config.model, flag="model")
+  else:
+    models.check_name(config.model)
   if is_reference(config.dataset):
     dataset = user_dataset(config.dataset)
   else:
     dataset = data.load(config)
   if is_reference(config.model):
-    function = import_object(config.model, flag="model")
     return KerasModelTask(
         model_fn=lambda: call_user(function, flag="model",
                                    reference=config.model),
         spec=config.model, dataset=dataset)
-  models.check_name(config.model)
   if dataset.input_shape is None:
     dataset = _with_classification_shape(dataset)
   return ClassificationTask(model=config.model, dataset=dataset,

@@ -160,8 +160,8 @@ class Trainer:
     metrics = {"loss": sums.loss_sum / examples,
                **self._metrics.results(sums.metric_states),
                "examples": int(sums.examples)}
-    shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()
-                      if k != "examples")
+    names = [k for k in metrics if k not in ("loss", "examples")] + ["loss"]
+    shown = "  ".join(f"{k} {metrics[k]:.4f}" for k in names)
     logging.info("eval  step %d: %s  (%d examples)", step, shown,
                  metrics["examples"])
     self._summaries.scalars("eval", step, {k: v for k, v in metrics.items()
