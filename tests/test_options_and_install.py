@@ -1,0 +1,168 @@
+"""One source for every option; one cluster description for every
+launcher; a clean install; the profile in TensorBoard."""
+
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+import zipfile
+
+import portpicker
+import pytest
+import tensorflow as tf
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+from conftest import ROOT
+from conftest import run_cli
+from tfdist import config as config_lib
+from tfdist import options as options_lib
+from tfdist.launch import k8s
+from tfdist.launch import local
+from tfdist.launch import ssh
+
+NAMES = [o.name for o in options_lib.OPTIONS]
+
+
+def test_config_fields_are_exactly_the_options():
+  fields = [f.name for f in dataclasses.fields(config_lib.Config)]
+  assert fields == NAMES
+  config = config_lib.Config(model_dir="/tmp/x")
+  for option in options_lib.OPTIONS:
+    assert getattr(config, option.name) == (
+        option.default if option.name != "model_dir" else "/tmp/x")
+  assert set(config.section("parameter_server")) == {
+      "ps_shard_min_bytes", "ps_max_shards", "sidecar_timeout"}
+
+
+def test_helpfull_lists_every_option_grouped_with_its_default():
+  proc = subprocess.run([sys.executable, "-m", "tfdist.train", "--helpfull"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  text = proc.stdout
+  for option in options_lib.OPTIONS:
+    assert f"--{option.name}" in text or f"--[no]{option.name}" in text, (
+        option.name)
+  for section in options_lib.SECTIONS:
+    assert f"tfdist {section}:" in text, section
+  assert "(default: '64')" in text  # --batch_size, with its default.
+
+
+def _hparams_keys(log_dir):
+  for path in glob.glob(os.path.join(log_dir, "events.out.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        if value.metadata.plugin_data.plugin_name == "hparams":
+          data = plugin_data_pb2.HParamsPluginData.FromString(
+              value.metadata.plugin_data.content)
+          if data.HasField("session_start_info"):
+            return set(data.session_start_info.hparams)
+  return set()
+
+
+def test_every_option_reaches_the_hparams_log(tmp_path, data_dir):
+  run_cli("--train_steps=10", "--steps_per_loop=10", "--log_every=10",
+          "--export=false", "--profile_steps=2,4", f"--data_dir={data_dir}",
+          f"--model_dir={tmp_path / 'run'}")
+  assert _hparams_keys(str(tmp_path / "run" / "train")) == set(NAMES)
+
+
+def test_bad_option_values_name_the_option():
+  for kwargs, expected in [
+      ({"batch_size": 0}, "Received: batch_size=0"),
+      ({"batch_size": "64"}, "batch_size takes an integer"),
+      ({"learning_rate": -1.0}, "learning_rate must be > 0"),
+      ({"lr_schedule": "warp"}, "Unrecognized lr_schedule: 'warp'"),
+      ({"clip_norm": 1.0, "mixed_precision": "mixed_float16"},
+       "clip_norm would clip loss-scaled"),
+  ]:
+    with pytest.raises(Exception, match=expected):
+      config_lib.Config(model_dir="/tmp/x", **kwargs)
+
+
+@pytest.mark.parametrize("parse,extra", [
+    (local.parse_args, []),
+    (ssh.parse_args, ["--hosts=a,b,c,d"]),
+    (k8s.parse_args, ["--name=job", "--image=img"]),
+])
+def test_every_launcher_takes_the_same_cluster_description(parse, extra):
+  args = parse(["--chief", "--workers=1", "--ps=1", "--evaluator", *extra,
+                "--", "--train_steps=5"])
+  assert args.cluster.counts() == {"chief": 1, "worker": 1, "ps": 1,
+                                   "evaluator": 1}
+  assert args.train_args == ["--train_steps=5"]
+
+
+def test_wheel_installs_beside_a_foreign_tools_package(tmp_path):
+  """No generic top-level package in the wheel; an existing `tools`
+  package and tfdist both keep working side by side."""
+  wheels = tmp_path / "wheels"
+  subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                  "--no-build-isolation", "-w", str(wheels), ROOT],
+                 check=True, capture_output=True, timeout=300)
+  wheel = glob.glob(str(wheels / "tfdist-*.whl"))[0]
+  tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+  assert {t for t in tops if not t.startswith("tfdist")} == set(), tops
+  target, theirs = tmp_path / "site", tmp_path / "theirs"
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                  "--target", str(target), wheel], check=True,
+                 capture_output=True, timeout=300)
+  (theirs / "tools").mkdir(parents=True)
+  (theirs / "tools" / "__init__.py").write_text("OWNER = 'someone else'\n")
+  env = {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{theirs}"}
+  check = ("import tools, tfdist, tfdist.models, tfdist.launch.local, "
+           "tfdist.tools.tf_config; "
+           "assert tools.OWNER == 'someone else'; "
+           "assert tfdist.__file__.startswith(%r); "
+           "print(tfdist.models.names())" % str(target))
+  proc = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert "mlp" in proc.stdout
+  # The console scripts are there and answer.
+  for script, flag, expected in (
+      ("tfdist-train", "--helpfull", "--model_dir"),
+      ("tfdist-launch", "--help", "--max_restarts")):
+    proc = subprocess.run([str(target / "bin" / script), flag],
+                          cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert expected in proc.stdout, proc.stdout + proc.stderr
+
+
+def _get(url):
+  with urllib.request.urlopen(url, timeout=10) as response:
+    body = response.read()
+    if response.headers.get("Content-Encoding") == "gzip":
+      body = gzip.decompress(body)
+  return json.loads(body)
+
+
+def test_tensorboard_shows_the_profile(tmp_path, data_dir):
+  model_dir = tmp_path / "run"
+  run_cli("--train_steps=30", "--log_every=10", "--steps_per_loop=10",
+          "--profile_steps=10,20", "--export=false",
+          f"--data_dir={data_dir}", f"--model_dir={model_dir}")
+  port = portpicker.pick_unused_port()
+  board = subprocess.Popen(
+      [os.path.join(os.path.dirname(sys.executable), "tensorboard"),
+       "--logdir", str(model_dir), "--host", "127.0.0.1", "--port",
+       str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.monotonic() + 90
+    while True:
+      try:
+        plugins = _get(f"http://127.0.0.1:{port}/data/plugins_listing")
+        break
+      except OSError:
+        if time.monotonic() > deadline:
+          raise
+        time.sleep(1)
+    assert plugins["profile"]["enabled"] is True
+    runs = _get(f"http://127.0.0.1:{port}/data/plugin/profile/runs")
+    assert "train" in json.dumps(runs), runs
+  finally:
+    board.terminate()
+    board.wait(timeout=30)
