@@ -110,6 +110,15 @@ def test_eval_reports_the_exact_mean_over_the_eval_split(outside):
   assert f"eval loss {mse:.4f}" in line, (line, mse)
 
 
+def test_a_task_with_its_own_input_pipeline(outside):
+  proc = _run(outside, ["--task=mymod:FullControlTask", *COMMON,
+                        "--eval_steps=3", "--strategy=mirrored",
+                        "--num_cpu_devices=2",
+                        f"--model_dir={outside / 'own'}"])
+  assert "(96 examples)" in proc.stdout  # 3 eval batches of 32.
+  assert artifacts.checkpoint_step(str(outside / "own")) == 20
+
+
 BAD = {
     "module_does_not_import": (["--model=nosuchmodule:build"],
                                "cannot import 'nosuchmodule'"),
@@ -132,6 +141,8 @@ BAD = {
     "cannot_pipeline": (["--task=mymod:RegressionTask",
                          "--model_parallel=pipeline", "--num_cpu_devices=2"],
                         "is not a chain of blocks"),
+    "own_input_without_eval_steps": (["--task=mymod:FullControlTask"],
+                                     "set --eval_steps"),
     "accum_does_not_divide": (["--task=mymod:RegressionTask",
                                "--batch_size=32", "--grad_accum_steps=5"],
                               "grad_accum_steps must divide"),

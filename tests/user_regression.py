@@ -68,6 +68,26 @@ class RegressionTask(tfdist.Task):
     return {"value": outputs}
 
 
+class FullControlTask(RegressionTask):
+  """Makes its own per-replica batches; it owns the input guarantees."""
+
+  name = "full_control"
+
+  def train_input(self, context, *, global_batch_size, seed, start_step):
+    per_replica = context.get_per_replica_batch_size(global_batch_size)
+    train, _ = data()
+    train = train.shard(context.num_input_pipelines,
+                        context.input_pipeline_id)
+    return train.repeat().shuffle(64, seed=seed).batch(
+        per_replica, drop_remainder=True).skip(start_step)
+
+  def eval_input(self, context, *, global_batch_size):
+    per_replica = context.get_per_replica_batch_size(global_batch_size)
+    _, test = data()
+    weighted = lambda f, y: (f, y, tf.ones_like(y[:, 0]))  # noqa: E731
+    return test.batch(per_replica, drop_remainder=True).map(weighted)
+
+
 # Bad input -------------------------------------------------------------
 
 def bad_not_a_model():

@@ -134,8 +134,14 @@ def build_trainer(config, info, task, *, write_dir):
   """Every part of a run, handed to a Trainer."""
   local = devices.local_devices()
   preflight.check_run(config, info, local)
-  dataset = task.data()
-  sample = data.sample_batch(dataset)
+  if task.controls_input:
+    inputs = data.inputs_from_task(task, global_batch_size=config.batch_size,
+                                   eval_steps_requested=config.eval_steps)
+  else:
+    inputs = data.inputs_from_dataset(
+        task.data(), global_batch_size=config.batch_size,
+        eval_steps_requested=config.eval_steps)
+  sample = inputs.sample
   strategy = info.strategy
   with strategy.scope():
     model = build_model(config, task, sample)
@@ -190,8 +196,8 @@ def build_trainer(config, info, task, *, write_dir):
     export_dir = os.path.join(write_dir, "export")
     export.export_saved_model(
         model, serving_outputs=task.serving_outputs,
-        features_spec=data.features_spec(dataset), export_dir=export_dir,
-        input_name="images" if dataset.input_shape else "features")
+        features_spec=inputs.features_spec, export_dir=export_dir,
+        input_name="images" if inputs.image_input else "features")
     logging.info("Exported SavedModel to %s.", export_dir)
     return export_dir
 
@@ -201,8 +207,8 @@ def build_trainer(config, info, task, *, write_dir):
       loops=loops, checkpoints=store,
       summaries=summaries_lib.Summaries(config.model_dir,
                                         enabled=info.is_chief),
-      dataset=dataset,
-      describe=(f"{task.display_name} on {dataset.name} with {info.name} "
+      inputs=inputs,
+      describe=(f"{task.display_name} on {inputs.name} with {info.name} "
                 f"over {info.num_replicas} replica(s)"),
       learning_rate=lambda step: optimizers.scheduled_rate(step, **schedule),
       replica_checker=checker, export_fn=export_now,

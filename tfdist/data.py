@@ -236,3 +236,60 @@ def eval_input_fn(dataset: Dataset, *, global_batch_size):
     return _host_slice(source.concatenate(blank).enumerate(), context,
                        per_host, real_weights)
   return input_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+  """Where a run's batches come from: input functions for
+  `distribute_datasets_from_function`, made per start step."""
+
+  name: str
+  train_fn: Callable  # (start_step, seed or None) -> input_fn
+  eval_fn: Callable  # () -> input_fn
+  eval_steps: int
+  sample: Tuple  # A few (features, labels) examples, batched.
+  features_spec: object  # One example's features (no batch dimension).
+  image_input: bool = False  # The export names a single input "images".
+
+
+def inputs_from_dataset(dataset: Dataset, *, global_batch_size,
+                        eval_steps_requested=0) -> Inputs:
+  """tfdist's own pipeline over unbatched examples."""
+  return Inputs(
+      name=dataset.name,
+      train_fn=lambda start_step, seed: train_input_fn(
+          dataset, global_batch_size=global_batch_size, seed=seed,
+          start_step=start_step),
+      eval_fn=lambda: eval_input_fn(dataset,
+                                    global_batch_size=global_batch_size),
+      eval_steps=eval_steps(dataset, global_batch_size=global_batch_size,
+                            requested=eval_steps_requested),
+      sample=sample_batch(dataset), features_spec=features_spec(dataset),
+      image_input=dataset.input_shape is not None)
+
+
+def inputs_from_task(task, *, global_batch_size,
+                     eval_steps_requested) -> Inputs:
+  """A task's own per-replica pipelines (full control)."""
+  if not callable(getattr(task, "eval_input", None)):
+    raise ConfigError(f"{task.display_name} defines train_input; it must "
+                      "define eval_input(context) too.")
+  if not eval_steps_requested:
+    raise ConfigError(f"{task.display_name} makes its own input, so tfdist "
+                      "cannot count its eval batches: set --eval_steps.")
+  first = next(iter(task.train_input(
+      tf.distribute.InputContext(), global_batch_size=global_batch_size,
+      seed=0, start_step=0)))
+  features, labels = first[0], first[1]
+  unbatched = tf.nest.map_structure(
+      lambda t: tf.TensorSpec(t.shape[1:], t.dtype), features)
+  return Inputs(
+      name=f"{task.display_name}.train_input",
+      train_fn=lambda start_step, seed: (
+          lambda context: task.train_input(
+              context, global_batch_size=global_batch_size, seed=seed,
+              start_step=start_step)),
+      eval_fn=lambda: (lambda context: task.eval_input(
+          context, global_batch_size=global_batch_size)),
+      eval_steps=eval_steps_requested,
+      sample=(features, labels), features_spec=unbatched)

@@ -12,8 +12,8 @@ distribution strategy, checkpoints, summaries and the export.
       def metrics(self): ...               # [keras.metrics.Metric, ...]
 
 A task that needs full control of its input instead defines
-`train_input(context, *, seed, start_step)` and `eval_input(context)`,
-returning per-replica batches like `distribute_datasets_from_function`'s
+`train_input(context, *, global_batch_size, seed, start_step)` and
+`eval_input(context, *, global_batch_size)`, returning per-replica batches like `distribute_datasets_from_function`'s
 input functions ((features, labels) and (features, labels, weights)). It
 then owns the guarantees tfdist gives for its own pipeline: the same global
 batch on any number of hosts, no repeats after a resume, exact eval; and

@@ -14,7 +14,6 @@ from typing import Callable, Optional
 from absl import logging
 import numpy as np
 
-from tfdist import data
 from tfdist.errors import NonFiniteLossError
 
 
@@ -84,7 +83,7 @@ class Trainer:
   """Runs one training job with the parts it is given."""
 
   def __init__(self, *, options: LoopOptions, model, optimizer, global_step,
-               runner, loops, checkpoints, summaries, dataset, describe,
+               runner, loops, checkpoints, summaries, inputs, describe,
                learning_rate: Callable[[int], float],
                replica_checker=None, export_fn=None, after_restore=None,
                hparams: Optional[dict] = None, startup_scalars=None):
@@ -96,7 +95,7 @@ class Trainer:
     self._metrics = loops.metrics
     self._checkpoints = checkpoints
     self._summaries = summaries
-    self._dataset = dataset
+    self._inputs = inputs  # A tfdist.data.Inputs.
     self._describe = describe  # "mlp on digits with default".
     self._learning_rate = learning_rate
     self._replica_checker = replica_checker
@@ -104,9 +103,6 @@ class Trainer:
     self._after_restore = after_restore
     self._hparams = hparams or {}
     self._startup_scalars = startup_scalars or {}
-    self._eval_iterations = data.eval_steps(
-        dataset, global_batch_size=options.batch_size,
-        requested=options.eval_steps)
     self._last_checkpoint = None
     self._iterator, self._iterator_step = None, None
     runner.watch_preemption(save_fn=lambda: self._save(self.step),
@@ -152,10 +148,8 @@ class Trainer:
 
   def evaluate(self, step):
     """One pass over the eval split (or eval_steps batches), exact."""
-    sums = self._runner.evaluate(
-        data.eval_input_fn(self._dataset,
-                           global_batch_size=self._options.batch_size),
-        self._eval_iterations)
+    sums = self._runner.evaluate(self._inputs.eval_fn(),
+                                 self._inputs.eval_steps)
     examples = max(sums.examples, 1.0)
     metrics = {"loss": sums.loss_sum / examples,
                **self._metrics.results(sums.metric_states),
@@ -232,10 +226,9 @@ class Trainer:
   def _train_iterator(self, step):
     """The input iterator positioned at `step`, reused across train calls."""
     if self._iterator is None or self._iterator_step != step:
-      self._iterator = self._runner.make_iterator(data.train_input_fn(
-          self._dataset, global_batch_size=self._options.batch_size,
-          seed=self._options.seed if self._runner.same_data_everywhere
-          else None, start_step=step))
+      self._iterator = self._runner.make_iterator(self._inputs.train_fn(
+          step, self._options.seed if self._runner.same_data_everywhere
+          else None))
       self._iterator_step = step
     return self._iterator
 
