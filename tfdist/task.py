@@ -197,9 +197,11 @@ def _metric(spec, loss_fn):
       return keras.metrics.BinaryAccuracy(name="accuracy")
     return keras.metrics.CategoricalAccuracy(name="accuracy")
   try:
-    return keras.metrics.get(spec)
+    metric = keras.metrics.get(spec)
   except (ValueError, TypeError) as e:
     raise ConfigError(f"metric {spec!r} is unknown to Keras: {e}") from None
+  # Named as given ("mae"), as Keras's fit names it.
+  return type(metric).from_config({**metric.get_config(), "name": spec})
 
 
 # Naming user code: package.module:Name ----------------------------------
