@@ -6,8 +6,12 @@ attempt (local processes, ssh commands, Ray actors); the policy is the
 same for all of them:
 - a task fails: the other tasks get SIGTERM (SIGKILL after
   --stop_grace_seconds) and the whole job is relaunched after
-  --backoff_seconds * 2**(k-1), up to --max_restarts times. In a PS job a
-  failed worker is restarted on its own instead;
+  --backoff_seconds * 2**(k-1), up to --max_restarts times;
+- in a PS job a failed worker is never fatal: it is restarted on its own
+  while it has restarts left, and then the job carries on without it. Only
+  when every worker is gone is the chief asked to checkpoint and stop;
+- every task's temporary files live in a directory of the launcher's,
+  removed at the end;
 - Ctrl-C or SIGTERM to the launcher is forwarded to every task.
 
 Exit code: 0 when training finished, otherwise the failing task's code
@@ -17,6 +21,7 @@ Exit code: 0 when training finished, otherwise the failing task's code
 import argparse
 import signal
 import sys
+import tempfile
 import time
 
 from . import description
@@ -61,6 +66,7 @@ class Launcher:
     self._out = out
     self._signalled = None
     self._job = None
+    self._scratch = None
 
   def _log(self, message):
     processes.write_line(self._out, f"[launch] {message}")
@@ -72,6 +78,15 @@ class Launcher:
       self._job.forward(signum)
 
   def run(self):
+    """Runs the job to the end; returns the launcher's exit code."""
+    # Every task's temporary files (a worker's scratch model_dir) go under
+    # one directory of the launcher's, removed at the end even after a
+    # SIGKILLed task: nothing is left behind.
+    with tempfile.TemporaryDirectory(prefix="tfdist-launch-") as scratch:
+      self._scratch = scratch
+      return self._run()
+
+  def _run(self):
     for signum in (signal.SIGINT, signal.SIGTERM):
       signal.signal(signum, self._on_signal)
     restarts = 0
@@ -108,7 +123,7 @@ class Launcher:
   def _run_once(self, attempt):
     self._job = processes.Job(self._make_tasks(self._args), out=self._out,
                               grace_seconds=self._args.stop_grace_seconds,
-                              log=self._log)
+                              log=self._log, scratch_root=self._scratch)
     self._job.start()
     for task in self._job.tasks:
       self._log(f"started {task.name} pid={task.process.pid} at "
@@ -122,6 +137,10 @@ class Launcher:
   def _wait_restarting_alone(self):
     """Waits for the job; restarts a task on its own where that is enough.
 
+    A PS worker is never fatal: with restarts left it is restarted alone;
+    without, the job carries on without it. When every worker is gone,
+    the chief is asked (SIGTERM) to checkpoint and stop.
+
     Returns (exit code, name of the failed task or None).
     """
     restarts = {}
@@ -131,9 +150,27 @@ class Launcher:
         return 0, None
       role = task.spec.role
       used = restarts.get(task.name, 0)
-      if (self._signalled or used >= self._args.max_restarts or
-          not description.restarts_alone(self._args.cluster, role)):
+      alone = description.restarts_alone(self._args.cluster, role)
+      if self._signalled or not alone:
         return code, task.name
+      if used >= self._args.max_restarts:
+        self._job.abandon(task)
+        left = [t.name for t in self._job.tasks if t.spec.role == role and
+                not t.abandoned]
+        if left:
+          self._log(f"{task.name} exited with code {code} and has no "
+                    f"restarts left; the job carries on without it "
+                    f"({', '.join(left)} left).")
+          continue
+        self._log(f"{task.name} exited with code {code}: every worker is "
+                  "gone; asking the chief to checkpoint and stop.")
+        # Twice: the chief's PS guard saves at once on the second SIGTERM,
+        # since no worker is left to finish the scheduled steps.
+        self._job.signal_role("chief", signal.SIGTERM)
+        time.sleep(1.0)
+        self._job.signal_role("chief", signal.SIGTERM)
+        self._job.wait_role("chief")
+        return code, "every worker"
       restarts[task.name] = used + 1
       delay = self._args.backoff_seconds * 2 ** used
       self._log(f"{task.name} exited with code {code}; restarting it alone "

@@ -4,6 +4,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -37,14 +38,16 @@ class _Task:
     self.address = spec.address
     self.process = None
     self.pump = None
+    self.abandoned = False  # Failed for good; the job goes on without it.
 
 
 class Job:
   """Starts every task; `wait()` returns (exit code, failed task)."""
 
   def __init__(self, specs, *, out, grace_seconds=30.0, poll_seconds=0.1,
-               log=lambda message: None):
+               log=lambda message: None, scratch_root=None):
     self.tasks = [_Task(spec) for spec in specs]
+    self._scratch_root = scratch_root
     self._log = log
     self._out = out
     self._grace_seconds = grace_seconds
@@ -56,9 +59,13 @@ class Job:
 
   def start_task(self, task):
     """(Re)starts one task with its own command and environment."""
+    env = {**os.environ, **task.spec.env, "PYTHONUNBUFFERED": "1"}
+    if self._scratch_root:
+      # The task's temporary files, under the launcher's scratch directory.
+      env["TMPDIR"] = tempfile.mkdtemp(prefix=f"{task.spec.role}{task.spec.index}-",
+                                       dir=self._scratch_root)
     task.process = subprocess.Popen(
-        task.spec.argv, env={**os.environ, **task.spec.env,
-                             "PYTHONUNBUFFERED": "1"},
+        task.spec.argv, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL, start_new_session=True,
         preexec_fn=_die_with_parent)
@@ -71,12 +78,28 @@ class Job:
       write_line(self._out, f"{task.name} | "
                  + raw.decode("utf-8", "replace").rstrip("\n"))
 
+  def abandon(self, task):
+    """Stops watching a task that failed for good."""
+    task.abandoned = True
+
+  def signal_role(self, role, signum):
+    for task in self.tasks:
+      if task.spec.role == role and task.process.poll() is None:
+        task.process.send_signal(signum)
+
+  def wait_role(self, role):
+    for task in self.tasks:
+      if task.spec.role == role:
+        task.process.wait()
+
   def wait(self):
     """Returns (0, None) when every non-serving task exited 0, else
-    (exit code, task) for the first task that failed."""
-    trainers = [t for t in self.tasks if t.spec.role not in SERVING_ROLES]
+    (exit code, task) for the first task that failed. Abandoned tasks
+    count for neither."""
     while True:
-      for task in self.tasks:
+      watched = [t for t in self.tasks if not t.abandoned]
+      trainers = [t for t in watched if t.spec.role not in SERVING_ROLES]
+      for task in watched:
         code = task.process.poll()
         if code not in (None, 0):
           return code, task

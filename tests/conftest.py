@@ -54,13 +54,14 @@ def run_launcher(launcher_args, train_args, *, timeout=600, check=True):
 class LauncherProcess:
   """A launcher run whose output is read line by line while it runs."""
 
-  def __init__(self, launcher_args, train_args):
+  def __init__(self, launcher_args, train_args, env=None):
     self.lines = []
     self.pids = {}
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "launch.local", *launcher_args, "--",
          *train_args], cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **(env or {})})
 
   def wait_for(self, predicate, timeout=300):
     """Reads lines until one satisfies `predicate`; returns it."""

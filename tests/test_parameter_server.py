@@ -51,6 +51,46 @@ def test_killed_worker_restarts_alone_and_run_ends_at_requested_step(
   assert artifacts.checkpoint_step(model_dir) == 3000
 
 
+def test_losing_a_worker_without_restarts_is_not_fatal(tmp_path, data_dir):
+  """No --max_restarts: the job carries on with the other worker, ends at
+  the exact step, and leaves no scratch directory behind."""
+  model_dir = str(tmp_path / "run")
+  scratch = tmp_path / "tmp"
+  scratch.mkdir()
+  run = LauncherProcess(
+      CLUSTER, _args(model_dir, data_dir, "--train_steps=3000",
+                     "--steps_per_loop=20", "--log_every=200",
+                     "--checkpoint_every=1000"),
+      env={"TMPDIR": str(scratch)})
+  run.wait_for(lambda l: "train step 400/3000" in l)
+  os.kill(run.pids["worker:1"], signal.SIGKILL)
+  code, output = run.finish()
+  assert code == 0, output[-3000:]
+  assert ("worker:1 exited with code -9 and has no restarts left; the job "
+          "carries on without it (worker:0 left)") in output
+  assert "Finished at step 3000/3000" in output
+  assert artifacts.checkpoint_step(model_dir) == 3000
+  assert list(scratch.iterdir()) == []
+
+
+def test_losing_every_worker_checkpoints_and_stops(tmp_path, data_dir):
+  model_dir = str(tmp_path / "run")
+  run = LauncherProcess(
+      CLUSTER, _args(model_dir, data_dir, "--train_steps=100000",
+                     "--steps_per_loop=20", "--log_every=200",
+                     "--checkpoint_every=100000"))
+  run.wait_for(lambda l: "train step 400/100000" in l)
+  os.kill(run.pids["worker:0"], signal.SIGKILL)
+  run.wait_for(lambda l: "carries on without it" in l)
+  os.kill(run.pids["worker:1"], signal.SIGKILL)
+  code, output = run.finish()
+  assert code != 0
+  assert "every worker is gone; asking the chief to checkpoint" in output
+  saved = re.search(r"checkpoint saved at step (\d+)", output)
+  assert saved, output[-3000:]
+  assert artifacts.checkpoint_step(model_dir) == int(saved.group(1)) >= 400
+
+
 def test_killed_ps_restarts_job_from_checkpoint(tmp_path, data_dir):
   model_dir = str(tmp_path / "run")
   run = LauncherProcess(

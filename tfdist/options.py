@@ -157,9 +157,10 @@ OPTIONS = (
        minimum=0),
     _o("log_every", 50, "Print a progress line every N steps.", "loop",
        above=0),
-    _o("jit_compile", False, "XLA-compile the train step. Helps on GPUs and "
-       "TPUs; on CPUs it is usually slower (see the README benchmark).",
-       "loop"),
+    _o("jit_compile", False, "XLA-compile the train step: the whole step "
+       "with the optimizer update when a process has one replica (measured "
+       "faster on CPU, see the README benchmark); forward and backward only "
+       "with several replicas (GPUs; not over logical CPUs).", "loop"),
     _o("check_replicas_every", 0, "Every N steps, check that all replicas "
        "hold identical weights; 0: never.", "loop", minimum=0),
     # output

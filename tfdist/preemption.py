@@ -52,7 +52,12 @@ class PreemptionGuard:
 
 class SigtermGuard:
   """For parameter-server coordinators: SIGTERM sets a flag that is checked
-  when all scheduled steps have joined; then the chief saves and exits."""
+  when all scheduled steps have joined; then the chief saves and exits.
+
+  If no worker is left to finish the scheduled steps, the join never
+  returns; a second SIGTERM (the launcher sends one when every worker is
+  gone) saves at once, with the steps counted so far, and stops.
+  """
 
   def __init__(self, *, save_fn, step_fn):
     self._save_fn = save_fn
@@ -62,14 +67,19 @@ class SigtermGuard:
 
   def _on_sigterm(self, signum, frame):
     del signum, frame
+    if self._signalled:
+      self._save_and_exit()
     self._signalled = True
+
+  def _save_and_exit(self):
+    self._save_fn()
+    raise PreemptedError(
+        f"preempted (SIGTERM): checkpoint saved at step "
+        f"{self._step_fn()}; exiting with code {PREEMPTED_EXIT_CODE}.")
 
   def save_and_exit_if_signalled(self):
     if self._signalled:
-      self._save_fn()
-      raise PreemptedError(
-          f"preempted (SIGTERM): checkpoint saved at step "
-          f"{self._step_fn()}; exiting with code {PREEMPTED_EXIT_CODE}.")
+      self._save_and_exit()
 
 
 class NoGuard:

@@ -28,6 +28,7 @@ flags.DEFINE_integer("steps_per_loop", 32, "Steps per tf.function call.")
 flags.DEFINE_integer("batch_size", 256, "Global batch (small MLP).")
 flags.DEFINE_integer("flops_steps", 20, "Steps per round (wide MLP).")
 flags.DEFINE_integer("flops_batch_size", 512, "Global batch (wide MLP).")
+flags.DEFINE_list("parts", ["small", "wide"], "Which parts to run.")
 
 
 def _handwritten_contender(config, info, dataset):
@@ -117,8 +118,15 @@ def main(argv):
                                  steps_per_loop=FLAGS.steps_per_loop)
   info = inprocess.start(small)
   import tensorflow as tf
+  if "small" in FLAGS.parts:
+    _small(small, info)
+  if "wide" in FLAGS.parts:
+    _wide(info)
+  print(f"\nTensorFlow {tf.__version__}, {os.cpu_count()} CPUs.")
+
+
+def _small(small, info):
   from tfdist import data
-  from tfdist import models
   dataset = data.load(small)
   jit = dataclasses.replace(small, jit_compile=True)
   contenders = {
@@ -145,12 +153,19 @@ def main(argv):
     print(f"| {name} | {inprocess.spread(rate)} | "
           f"{inprocess.spread(ratios, '{:.3f}')} |")
 
+
+def _wide(info):
+  import tensorflow as tf
+  from tfdist import data
+  from tfdist import models
   wide = inprocess.bench_config(model="mlp_wide", synthetic_shape=(32, 32, 1),
                                 batch_size=FLAGS.flops_batch_size,
                                 steps_per_loop=10)
-  trainer_run = inprocess.tfdist_contender(wide, info)
-  wide_rates = inprocess.measure({"tfdist": trainer_run}, FLAGS.flops_steps,
-                                 FLAGS.rounds)["tfdist"]
+  runs = inprocess.measure(
+      {"tfdist": inprocess.tfdist_contender(wide, info),
+       "hand-written": _handwritten_contender(wide, info, data.load(wide))},
+      FLAGS.flops_steps, FLAGS.rounds)
+  wide_rates = runs["tfdist"]
   model = models.build("mlp_wide", input_shape=(32, 32, 1), num_classes=10)
   model(tf.zeros([1, 32, 32, 1]))  # Create the variables to count them.
   flops = wide.batch_size * _training_flops_per_example(model)
@@ -164,9 +179,12 @@ def main(argv):
   print(f"| tfdist training | {inprocess.spread([a / 1e9 for a in achieved], '{:.1f}')} |")
   print(f"| raw tf.matmul {wide.batch_size}x2048x2048 | "
         f"{inprocess.spread([p / 1e9 for p in peaks], '{:.1f}')} |")
-  print(f"| ratio, per round | "
+  print(f"| hand-written loop training | "
+        f"{inprocess.spread([r * flops / 1e9 for r in runs['hand-written']], '{:.1f}')} |")
+  print(f"| tfdist / raw matmul, per round | "
         f"{inprocess.spread([a / p for a, p in zip(achieved, peaks)], '{:.3f}')} |")
-  print(f"\nTensorFlow {tf.__version__}, {os.cpu_count()} CPUs.")
+  print(f"| hand-written / raw matmul, per round | "
+        f"{inprocess.spread([r * flops / p for r, p in zip(runs['hand-written'], peaks)], '{:.3f}')} |")
 
 
 if __name__ == "__main__":
