@@ -52,6 +52,10 @@ class Option:
       return None
     shown = ",".join(str(v) for v in numbers)
     for number in numbers:
+      # TensorFlow takes int32 sizes and finite floats.
+      if not -_LARGEST <= number <= _LARGEST:
+        return (f"{self.name} must be a finite number of magnitude at most "
+                f"{_LARGEST}. Received: {self.name}={shown}")
       if self.above is not None and not number > self.above:
         return (f"{self.name} must be > {self.above:g}. "
                 f"Received: {self.name}={shown}")
@@ -61,6 +65,7 @@ class Option:
     return None
 
 
+_LARGEST = 2**31 - 1
 _TYPES = {"str": (str,), "enum": (str,), "bool": (bool,), "int": (int,),
           "float": (int, float)}
 
