@@ -99,8 +99,25 @@ class CheckpointStore:
       yield path
 
   def save(self, step):
-    """Saves at `step`. Every worker calls it; only the chief's is kept."""
-    path = self._manager.save(checkpoint_number=step)
+    """Saves at `step`. Every worker calls it; only the chief's is kept.
+
+    A save that fails (a full disk) leaves no partial checkpoint: TF
+    writes into a `_temp` directory and only then makes it the latest, so
+    the temp directory is removed and the previous checkpoint stays latest.
+    """
+    try:
+      path = self._manager.save(checkpoint_number=step)
+    except (tf.errors.OpError, OSError) as e:
+      partial = os.path.join(self._write_dir, f"ckpt-{step}_temp")
+      if tf.io.gfile.exists(partial):
+        tf.io.gfile.rmtree(partial)
+      reason = getattr(e, "message", None) or str(e)
+      reason = reason.splitlines()[0].rsplit(";", 1)[-1].strip()[:120]
+      raise CheckpointError(
+          f"could not write checkpoint {self._write_dir}/ckpt-{step} "
+          f"({reason}); the previous checkpoint "
+          f"{self._manager.latest_checkpoint or '(none)'} is still the "
+          "latest. Free space and run the same command to resume.") from None
     if self._write_dir == self._model_dir:
       self._write_signature()
     return path
