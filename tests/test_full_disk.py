@@ -45,5 +45,5 @@ def test_full_disk_while_saving(small_disk, data_dir):
   assert not [p for p in os.listdir(model_dir) if "ckpt-200" in p]
   filler.unlink()
   proc = run_cli(*args, "--train_steps=200")
-  assert f"Resumed from {model_dir}/ckpt-100 at step 100." in proc.stdout
+  assert f"Resumed from {model_dir}/ckpt-100 at step 100." in proc.stderr
   assert artifacts.checkpoint_step(str(model_dir)) == 200
