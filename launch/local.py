@@ -9,12 +9,15 @@ the shared policy of launch.core; no task outlives the launcher.
 """
 
 import argparse
+import dataclasses
 import sys
 
 import portpicker
 
 from . import core
 from . import description
+from . import isolation
+from . import processes
 
 
 def parse_args(argv):
@@ -22,6 +25,11 @@ def parse_args(argv):
       prog="python -m launch.local",
       description="Run a tfdist job as local processes on 127.0.0.1.")
   description.add_arguments(parser)
+  parser.add_argument("--isolate", choices=("auto", "on", "off"),
+                      default="auto",
+                      help="Run the tasks in a private network namespace, "
+                      "so their gRPC ports are reachable from nowhere else "
+                      "(needs root). auto: when possible (default).")
   core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
   core.finish_args(parser, args)
@@ -39,16 +47,32 @@ def _local_addresses(cluster):
           for role, count in cluster.counts().items()}
 
 
-def local_tasks(args):
-  """The TaskSpecs of one attempt: local processes."""
-  return description.task_commands(
+def local_tasks(args, network=None):
+  """The TaskSpecs of one attempt: local processes, inside `network` (a
+  launch.isolation.PrivateNetwork) if given."""
+  specs = description.task_commands(
       args.cluster, addresses=_local_addresses(args.cluster),
       module=args.module, train_args=args.train_args)
+  if network is None:
+    return specs
+  return [dataclasses.replace(s, argv=network.wrap(s.argv)) for s in specs]
 
 
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  sys.exit(core.Launcher(args, make_tasks=local_tasks).run())
+  def log(message):
+    processes.write_line(sys.stdout, f"[launch] {message}")
+  try:
+    network = isolation.open_for(args.isolate, log)
+  except RuntimeError as e:
+    sys.exit(f"python -m launch.local: error: {e}")
+  try:
+    code = core.Launcher(
+        args, make_tasks=lambda a: local_tasks(a, network)).run()
+  finally:
+    if network:
+      network.close()
+  sys.exit(code)
 
 
 if __name__ == "__main__":

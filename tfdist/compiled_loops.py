@@ -22,6 +22,11 @@ from tfdist import compression
 from tfdist.errors import ConfigError
 
 SUM = tf.distribute.ReduceOp.SUM
+# The steps below have no Python control flow on tensors, and Keras code
+# (models, losses, metrics, optimizers) is written to run without autograph;
+# converting it all cost ~2 s of start-up per run. Only the tf.range loops
+# in train_steps/eval_steps need autograph.
+_PLAIN = tf.autograph.experimental.do_not_convert
 
 
 @dataclasses.dataclass
@@ -148,6 +153,7 @@ class LoopFunctions:
 
   # Replica steps ---------------------------------------------------------
 
+  @_PLAIN
   def _forward_backward(self, features, labels, metric_states):
     model = self._model
     with tf.GradientTape() as tape:
@@ -162,6 +168,7 @@ class LoopFunctions:
     grads = tape.gradient(scaled, model.trainable_variables)
     return loss, grads, self.metrics.update(metric_states, labels, outputs)
 
+  @_PLAIN
   def _accumulated(self, features, labels, metric_states):
     """K micro-batches one after another (a while loop, so only one
     micro-batch's activations are alive at a time); gradients summed."""
@@ -187,6 +194,7 @@ class LoopFunctions:
         parallel_iterations=1)
     return loss, grads, states
 
+  @_PLAIN
   def _train_step(self, batch, state, index):
     features, labels = batch
     if self._accum > 1:
@@ -205,6 +213,7 @@ class LoopFunctions:
                      index, state.first_nonfinite)
     return TrainState(state.loss + loss, first, metric_states)
 
+  @_PLAIN
   def _eval_step(self, batch, state):
     features, labels, weights = batch
     outputs = self._model(features, training=False)
@@ -215,10 +224,12 @@ class LoopFunctions:
         self.metrics.update(state.metrics, labels, outputs,
                             sample_weight=weights))
 
+  @_PLAIN
   def train_zeros(self):
     return TrainState(tf.constant(0.0), tf.constant(-1, tf.int32),
                       self.metrics.zeros())
 
+  @_PLAIN
   def eval_zeros(self):
     return EvalState(tf.constant(0.0), tf.constant(0.0),
                      self.metrics.zeros())
@@ -254,6 +265,7 @@ class LoopFunctions:
     return [tf.reshape(tf.cast(v, tf.float32), [-1])
             for state in states for v in state]
 
+  @_PLAIN
   def pack_train(self, state):
     # The first bad step as a one-hot, so a SUM over replicas keeps it;
     # slot steps_per_loop means "none".
@@ -263,6 +275,7 @@ class LoopFunctions:
                       tf.one_hot(bad, self._steps_per_loop + 1),
                       *self._pack_metrics(state.metrics)], 0)
 
+  @_PLAIN
   def pack_eval(self, state):
     return tf.concat([tf.reshape(state.loss, [1]),
                       tf.reshape(state.examples, [1]),

@@ -1,0 +1,78 @@
+"""Training ports closed to the network: launch.local runs its tasks in a
+private network namespace (as root), so a connection from outside the job
+cannot reach a task's port; with --isolate=off it can.
+
+"Outside" is a network namespace this test makes, joined to the host by a
+veth pair with addresses from 198.18.0.0/15; the test connects from there
+to the host end of the veth, and nowhere else.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import LauncherProcess
+
+HOST, OUTSIDE = "198.18.7.1", "198.18.7.2"
+
+
+def _ip(*args, netns=None):
+  prefix = ["ip", "netns", "exec", netns] if netns else []
+  subprocess.run([*prefix, "ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def outside():
+  if os.geteuid() != 0 or not shutil.which("ip"):
+    pytest.skip("needs root and iproute2 for network namespaces")
+  name = f"tfdist-out-{os.getpid()}"
+  host_end, far_end = f"tfh{os.getpid() % 100000}", f"tfo{os.getpid() % 100000}"
+  subprocess.run(["ip", "netns", "add", name], check=True)
+  try:
+    _ip("link", "add", host_end, "type", "veth", "peer", "name", far_end)
+    _ip("link", "set", far_end, "netns", name)
+    _ip("addr", "add", f"{HOST}/30", "dev", host_end)
+    _ip("link", "set", host_end, "up")
+    _ip("addr", "add", f"{OUTSIDE}/30", "dev", far_end, netns=name)
+    _ip("link", "set", far_end, "up", netns=name)
+    _ip("link", "set", "lo", "up", netns=name)
+    yield name
+  finally:
+    subprocess.run(["ip", "netns", "del", name], check=False)
+    subprocess.run(["ip", "link", "del", host_end], check=False,
+                   capture_output=True)
+
+
+def _reachable_from(netns, port):
+  code = ("import socket; socket.create_connection(('%s', %d), timeout=3)"
+          % (HOST, port))
+  return subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c",
+                         code], capture_output=True,
+                        timeout=60).returncode == 0
+
+
+@pytest.mark.parametrize("isolate,reachable", [("off", True), ("on", False)])
+def test_task_ports_are_closed_to_the_outside(outside, tmp_path, data_dir,
+                                             isolate, reachable):
+  run = LauncherProcess(
+      ["--workers=2", f"--isolate={isolate}"],
+      ["--strategy=multi_worker_mirrored", "--train_steps=100000",
+       "--steps_per_loop=10", "--log_every=100", "--eval_every=0",
+       "--checkpoint_every=0", f"--data_dir={data_dir}",
+       f"--model_dir={tmp_path / 'run'}"])
+  run.wait_for(lambda l: "train step 100/100000" in l)
+  started = "".join(l for l in run.lines if "started worker:1" in l)
+  port = int(re.search(r"at 127\.0\.0\.1:(\d+)", started).group(1))
+  assert _reachable_from(outside, port) is reachable
+  run.proc.send_signal(signal.SIGINT)
+  code, output = run.finish()
+  assert code == 128 + signal.SIGINT, output[-2000:]
+  if isolate == "on":
+    assert "private network namespace" in output
+    assert f"tfdist-{run.proc.pid}" not in subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True).stdout
