@@ -66,7 +66,7 @@ class _Job:
   def __init__(self, launcher_args, train_args, scratch):
     self.lines, self.tasks, self.pids_seen = [], {}, set()
     self.proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.local", *launcher_args, "--",
+        [sys.executable, "-m", "tfdist.launch.local", *launcher_args, "--",
          *train_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, env={**os.environ, "TMPDIR": scratch})
     self._reader = threading.Thread(target=self._read, daemon=True)
