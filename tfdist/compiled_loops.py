@@ -143,7 +143,6 @@ class LoopFunctions:
     # included (one replica per process). "forward": only forward and
     # backward (several replicas: the update all-reduces across devices,
     # which XLA cannot place).
-    self._jit = jit_compile
     self._gradients = (tf.function(self._forward_backward, jit_compile=True)
                        if jit_compile == "forward" else self._forward_backward)
     self.train_step = (tf.function(self._train_step, jit_compile=True)
