@@ -6,7 +6,6 @@ generated cases, plus real CLI runs of 6 cases of the same kind."""
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 
