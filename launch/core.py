@@ -10,6 +10,9 @@ same for all of them:
 - in a PS job a failed worker is never fatal: it is restarted on its own
   while it has restarts left, and then the job carries on without it. Only
   when every worker is gone is the chief asked to checkpoint and stop;
+- a task that finds its port taken (another program bound it between the
+  launcher's probe and the task's bind) exits 43, and the job is
+  relaunched with new ports without using up a restart;
 - every task's temporary files live in a directory of the launcher's,
   removed at the end;
 - Ctrl-C or SIGTERM to the launcher is forwarded to every task.
@@ -26,7 +29,11 @@ import time
 
 from . import description
 from . import processes
+from tfdist.errors import PORT_TAKEN_EXIT_CODE
 from tfdist.errors import PREEMPTED_EXIT_CODE
+
+# Relaunches, beyond --max_restarts, after a probed port was taken.
+MAX_PORT_RETRIES = 5
 
 
 def add_restart_arguments(parser):
@@ -60,9 +67,10 @@ class Launcher:
   in launch.local, ssh commands in launch.ssh.
   """
 
-  def __init__(self, args, *, make_tasks, out=sys.stdout):
+  def __init__(self, args, *, make_tasks, out=sys.stdout, spawn=None):
     self._args = args
     self._make_tasks = make_tasks
+    self._spawn = spawn
     self._out = out
     self._signalled = None
     self._job = None
@@ -89,15 +97,23 @@ class Launcher:
   def _run(self):
     for signum in (signal.SIGINT, signal.SIGTERM):
       signal.signal(signum, self._on_signal)
-    restarts = 0
+    restarts = port_retries = attempts = 0
     while True:
-      code, failed = self._run_once(restarts)
+      code, failed = self._run_once(attempts)
+      attempts += 1
       if self._signalled:
         self._log(f"stopped by signal {self._signalled}.")
         return 128 + self._signalled
       if code == 0:
-        self._log("training finished: every task exited 0.")
+        self._log("training finished: every training task exited 0.")
         return 0
+      if code == PORT_TAKEN_EXIT_CODE and port_retries < MAX_PORT_RETRIES:
+        # Another program took a probed port before the task bound it: a
+        # race, not a failure, so it uses up no restart.
+        port_retries += 1
+        self._log(f"{failed} found its port taken; relaunching with new "
+                  f"ports ({port_retries} of {MAX_PORT_RETRIES}).")
+        continue
       if restarts >= self._args.max_restarts:
         self._log(f"{failed} exited with code {code}; no restarts left "
                   f"({restarts} of {self._args.max_restarts} used). "
@@ -123,7 +139,8 @@ class Launcher:
   def _run_once(self, attempt):
     self._job = processes.Job(self._make_tasks(self._args), out=self._out,
                               grace_seconds=self._args.stop_grace_seconds,
-                              log=self._log, scratch_root=self._scratch)
+                              log=self._log, scratch_root=self._scratch,
+                              spawn=self._spawn)
     self._job.start()
     for task in self._job.tasks:
       self._log(f"started {task.name} pid={task.process.pid} at "
@@ -151,8 +168,15 @@ class Launcher:
       role = task.spec.role
       used = restarts.get(task.name, 0)
       alone = description.restarts_alone(self._args.cluster, role)
-      if self._signalled or not alone:
+      if self._signalled or not alone or code == PORT_TAKEN_EXIT_CODE:
         return code, task.name
+      if self._job.finished("chief"):
+        # Training is over (the evaluator may still be at its last eval):
+        # a restarted worker would wait for the chief forever.
+        self._job.abandon(task)
+        self._log(f"{task.name} exited with code {code} after the chief "
+                  "finished; it is not needed any more.")
+        continue
       if used >= self._args.max_restarts:
         self._job.abandon(task)
         left = [t.name for t in self._job.tasks if t.spec.role == role and
@@ -179,6 +203,11 @@ class Launcher:
                 "its steps.")
       if self._sleep(delay):
         return code, task.name
+      if self._job.finished("chief"):
+        self._job.abandon(task)
+        self._log(f"the chief finished meanwhile; {task.name} is not "
+                  "restarted.")
+        continue
       self._job.start_task(task)
       self._log(f"started {task.name} pid={task.process.pid} at "
                 f"{task.address}")

@@ -11,8 +11,12 @@ import time
 _WRITE_LOCK = threading.Lock()
 _PR_SET_PDEATHSIG = 1
 # Tasks that serve others; the job is done when the rest exit 0. (The
-# evaluator is not one of them: it exits after the final checkpoint.)
+# evaluator is not one of them: it exits after the final checkpoint.) In a
+# PS job the workers serve the chief too: once it is done they are not
+# needed, and a worker restarted after the chief's exit would wait for it
+# forever.
 SERVING_ROLES = ("ps",)
+PS_JOB_SERVING_ROLES = ("ps", "worker")
 
 
 def write_line(out, text):
@@ -30,6 +34,14 @@ def _die_with_parent():
     pass  # Not Linux: Job.stop() still ends every task.
 
 
+def spawn_process(argv, env, cwd=None):
+  """A task process: its own session, output piped, killed with us."""
+  return subprocess.Popen(
+      argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+      start_new_session=True, preexec_fn=_die_with_parent)
+
+
 class _Task:
 
   def __init__(self, spec):
@@ -45,9 +57,12 @@ class Job:
   """Starts every task; `wait()` returns (exit code, failed task)."""
 
   def __init__(self, specs, *, out, grace_seconds=30.0, poll_seconds=0.1,
-               log=lambda message: None, scratch_root=None):
+               log=lambda message: None, scratch_root=None, spawn=None):
     self.tasks = [_Task(spec) for spec in specs]
     self._scratch_root = scratch_root
+    # spawn(spec, env) -> a Popen-like process; local processes by default,
+    # Ray actors in launch.ray.
+    self._spawn = spawn or self._spawn_local
     self._log = log
     self._out = out
     self._grace_seconds = grace_seconds
@@ -59,16 +74,8 @@ class Job:
 
   def start_task(self, task):
     """(Re)starts one task with its own command and environment."""
-    env = {**os.environ, **task.spec.env, "PYTHONUNBUFFERED": "1"}
-    if self._scratch_root:
-      # The task's temporary files, under the launcher's scratch directory.
-      env["TMPDIR"] = tempfile.mkdtemp(prefix=f"{task.spec.role}{task.spec.index}-",
-                                       dir=self._scratch_root)
-    task.process = subprocess.Popen(
-        task.spec.argv, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, start_new_session=True,
-        preexec_fn=_die_with_parent)
+    task.process = self._spawn(task.spec,
+                               {**task.spec.env, "PYTHONUNBUFFERED": "1"})
     task.pump = threading.Thread(target=self._pump, args=(task,),
                                  daemon=True)
     task.pump.start()
@@ -77,6 +84,14 @@ class Job:
     for raw in task.process.stdout:
       write_line(self._out, f"{task.name} | "
                  + raw.decode("utf-8", "replace").rstrip("\n"))
+
+  def _spawn_local(self, spec, env):
+    env = {**os.environ, **env}
+    if self._scratch_root:
+      # The task's temporary files, under the launcher's scratch directory.
+      env["TMPDIR"] = tempfile.mkdtemp(prefix=f"{spec.role}{spec.index}-",
+                                       dir=self._scratch_root)
+    return spawn_process(spec.argv, env)
 
   def abandon(self, task):
     """Stops watching a task that failed for good."""
@@ -92,19 +107,31 @@ class Job:
       if task.spec.role == role:
         task.process.wait()
 
+  def _serving_roles(self):
+    if any(t.spec.role == "ps" for t in self.tasks):
+      return PS_JOB_SERVING_ROLES
+    return SERVING_ROLES
+
+  def finished(self, role):
+    """True when every task of `role` exited 0."""
+    tasks = [t for t in self.tasks if t.spec.role == role]
+    return bool(tasks) and all(t.process.poll() == 0 for t in tasks)
+
   def wait(self):
     """Returns (0, None) when every non-serving task exited 0, else
-    (exit code, task) for the first task that failed. Abandoned tasks
-    count for neither."""
+    (exit code, task) for the first task that failed. A serving task that
+    fails after that no longer matters. Abandoned tasks count for
+    neither."""
+    serving = self._serving_roles()
     while True:
       watched = [t for t in self.tasks if not t.abandoned]
-      trainers = [t for t in watched if t.spec.role not in SERVING_ROLES]
+      trainers = [t for t in watched if t.spec.role not in serving]
+      if all(t.process.poll() == 0 for t in trainers):
+        return 0, None
       for task in watched:
         code = task.process.poll()
         if code not in (None, 0):
           return code, task
-      if all(t.process.poll() == 0 for t in trainers):
-        return 0, None
       time.sleep(self._poll_seconds)
 
   def forward(self, signum):

@@ -23,6 +23,8 @@ from absl import logging
 from tfdist import config as config_lib
 from tfdist import quiet
 from tfdist.errors import ConfigError
+from tfdist.errors import PORT_TAKEN_EXIT_CODE
+from tfdist.errors import PortTakenError
 from tfdist.errors import TfdistError
 
 
@@ -80,16 +82,26 @@ def start_tensorflow(config, role, *, tf_config=None,
     from tfdist import strategies  # pylint: disable=g-import-not-at-top
     import tensorflow_datasets  # noqa: F401  (its import warns on stderr)
     strategies.configure_cpu_devices(config.num_cpu_devices)
-    if role is Role.SERVER:
-      from tfdist import ps_server  # pylint: disable=g-import-not-at-top
-      return ps_server.start_server(tf_config)
-    if role is Role.EVALUATOR:
-      # The sidecar evaluator trains nothing: one local device, no cluster.
-      info = strategies.create_strategy(
-          dataclasses.replace(config, strategy="default"))
-      info = dataclasses.replace(info, reason="sidecar evaluator")
-    else:
-      info = strategies.create_strategy(config, tf_config=tf_config)
+    try:
+      if role is Role.SERVER:
+        from tfdist import ps_server  # pylint: disable=g-import-not-at-top
+        return ps_server.start_server(tf_config)
+      if role is Role.EVALUATOR:
+        # The sidecar evaluator trains nothing: one local device, no
+        # cluster.
+        info = strategies.create_strategy(
+            dataclasses.replace(config, strategy="default"))
+        info = dataclasses.replace(info, reason="sidecar evaluator")
+      else:
+        info = strategies.create_strategy(config, tf_config=tf_config)
+    except tf.errors.UnknownError as e:
+      if "Could not start gRPC server" not in str(e):
+        raise
+      raise PortTakenError(
+          f"could not start this task's gRPC server at "
+          f"{tf_config.address if tf_config else '?'}: the port is taken "
+          f"(exit code {PORT_TAKEN_EXIT_CODE}: launchers relaunch with new "
+          "ports).") from None
     tf.config.list_logical_devices()
   logging.info("Strategy: %s (%s), %d replica(s)%s.", info.name, info.reason,
                info.num_replicas,

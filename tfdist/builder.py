@@ -205,8 +205,9 @@ def build_trainer(config, info, task, *, write_dir):
       options=trainer_lib.LoopOptions.from_config(config), model=model,
       optimizer=optimizer, global_step=global_step, runner=runner,
       loops=loops, checkpoints=store,
-      summaries=summaries_lib.Summaries(config.model_dir,
-                                        enabled=info.is_chief),
+      summaries=summaries_lib.Summaries(
+          config.model_dir, enabled=info.is_chief,
+          metrics_file=config.metrics_file or None),
       inputs=inputs,
       describe=(f"{task.display_name} on {inputs.name} with {info.name} "
                 f"over {info.num_replicas} replica(s)"),

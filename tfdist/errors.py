@@ -3,6 +3,9 @@
 # A task that saved a checkpoint on SIGTERM exits with this; launchers
 # resume the job.
 PREEMPTED_EXIT_CODE = 42
+# A task whose gRPC port was taken between the launcher's probe and its
+# bind exits with this; launchers relaunch with new ports.
+PORT_TAKEN_EXIT_CODE = 43
 
 
 class TfdistError(Exception):
@@ -23,3 +26,9 @@ class NonFiniteLossError(TfdistError):
   """Training produced a NaN or Inf loss."""
 
   exit_code = 3
+
+
+class PortTakenError(TfdistError):
+  """This task's gRPC server could not bind its TF_CONFIG address."""
+
+  exit_code = PORT_TAKEN_EXIT_CODE

@@ -174,6 +174,9 @@ OPTIONS = (
     _o("keep_checkpoints", 3, "Checkpoints kept in model_dir.", "output",
        above=0),
     _o("export", True, "Export a SavedModel at the end.", "output"),
+    _o("metrics_file", "", "Append every eval's metrics to this JSON-lines "
+       "file as {\"step\": N, \"accuracy\": ...} (what launch.sweep "
+       "follows); empty: none.", "output"),
     _o("profile_steps", None, "START,END: profile these steps for "
        "TensorBoard's Profile tab.", "output", "ints", minimum=0),
     # multi_worker

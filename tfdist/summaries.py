@@ -1,5 +1,7 @@
-"""TensorBoard output: scalars for train/eval, HParams, profiler traces."""
+"""TensorBoard output: scalars for train/eval, HParams, profiler traces;
+and eval metrics as JSON lines for programs that follow a run (sweeps)."""
 
+import json
 import os
 
 from absl import logging
@@ -16,8 +18,9 @@ def _hparam_value(value):
 class Summaries:
   """Event files in model_dir/train and model_dir/eval (chief only)."""
 
-  def __init__(self, model_dir, *, enabled=True):
+  def __init__(self, model_dir, *, enabled=True, metrics_file=None):
     self._enabled = enabled
+    self._metrics_file = metrics_file if enabled else None
     self._dirs = {kind: os.path.join(model_dir, kind)
                   for kind in ("train", "eval")}
     self._writers = {}
@@ -34,6 +37,13 @@ class Summaries:
     with self._writer(kind).as_default(step=step):
       for name, value in values.items():
         tf.summary.scalar(name, value)
+    if kind == "eval" and self._metrics_file:
+      # One whole line per write, flushed at once: a follower never reads
+      # half a record.
+      line = json.dumps({"step": int(step),
+                         **{k: float(v) for k, v in values.items()}})
+      with open(self._metrics_file, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
 
   def hparams(self, config_dict):
     with self._writer("train").as_default():

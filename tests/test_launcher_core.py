@@ -1,0 +1,160 @@
+"""launch.core's restart policy on scripted tasks: real processes that
+sleep and exit with given codes, so each race is hit on purpose, in
+seconds, without TensorFlow.
+
+Found by a 5-minute PS chaos run: a worker SIGKILLed while the chief was
+finishing was restarted after the chief had exited, and then waited for
+the chief forever; the launcher waited for that worker.
+"""
+
+import argparse
+import io
+import json
+import signal
+import socket
+import sys
+import time
+
+from conftest import run_cli
+from launch import core
+from launch import description
+
+SERVE = "import time; time.sleep(600)"
+
+
+def _exit_after(seconds, code):
+  return f"import sys, time; time.sleep({seconds}); sys.exit({code})"
+
+
+def _launcher(cluster, scripts, *, max_restarts=3, backoff_seconds=0.1):
+  """A Launcher whose tasks run the given Python one-liners, and the
+  stream its log goes to."""
+  args = argparse.Namespace(cluster=cluster, max_restarts=max_restarts,
+                            backoff_seconds=backoff_seconds,
+                            stop_grace_seconds=5.0)
+  out = io.StringIO()
+
+  def make_tasks(unused_args):
+    specs = []
+    for role, count in cluster.counts().items():
+      for index in range(count):
+        name = f"{role}:{index}"
+        specs.append(description.TaskSpec(
+            role=role, index=index, address=f"127.0.0.1:{index}",
+            argv=[sys.executable, "-c", scripts[name]], env={}))
+    return specs
+
+  return core.Launcher(args, make_tasks=make_tasks, out=out), out
+
+
+def _run_with_deadline(launcher, seconds):
+  """Runs the launcher in this (main) thread, where it installs its signal
+  handlers; SIGALRM fails the test if it hangs. Returns (code, seconds)."""
+  def hung(signum, frame):
+    raise AssertionError(f"the launcher hung for {seconds}s")
+  saved = {s: signal.getsignal(s)
+           for s in (signal.SIGALRM, signal.SIGINT, signal.SIGTERM)}
+  signal.signal(signal.SIGALRM, hung)
+  signal.alarm(seconds)
+  start = time.monotonic()
+  try:
+    return launcher.run(), time.monotonic() - start
+  finally:
+    signal.alarm(0)
+    for signum, handler in saved.items():
+      signal.signal(signum, handler)
+
+
+PS_JOB = description.ClusterDescription(workers=2, chief=True, ps=1)
+
+
+def test_worker_lost_while_chief_finishes_is_not_restarted():
+  # worker:1 dies at 0.5 s; its restart backoff (2 s) outlasts the chief
+  # (done at 1.5 s): restarting it then would wait for a chief that is gone.
+  launcher, out = _launcher(PS_JOB, {
+      "chief:0": _exit_after(1.5, 0), "worker:0": SERVE,
+      "worker:1": _exit_after(0.5, 1), "ps:0": SERVE},
+      backoff_seconds=2.0)
+  code, seconds = _run_with_deadline(launcher, 30)
+  log = out.getvalue()
+  assert code == 0, log
+  assert "restarting it alone in 2.0s" in log
+  assert "the chief finished meanwhile; worker:1 is not restarted" in log
+  assert log.count("started worker:1") == 1
+  # The serving tasks are stopped at once, not after their 600 s sleep.
+  assert seconds < 15, log
+
+
+def test_worker_lost_after_chief_finished_is_not_needed():
+  # The evaluator is still at its last eval when worker:1 dies.
+  cluster = description.ClusterDescription(workers=2, chief=True, ps=1,
+                                           evaluator=True)
+  launcher, out = _launcher(cluster, {
+      "chief:0": _exit_after(0.5, 0), "worker:0": SERVE,
+      "worker:1": _exit_after(1.5, 1), "ps:0": SERVE,
+      "evaluator:0": _exit_after(3.0, 0)})
+  code, _ = _run_with_deadline(launcher, 30)
+  log = out.getvalue()
+  assert code == 0, log
+  assert ("worker:1 exited with code 1 after the chief finished; it is "
+          "not needed any more") in log
+  assert log.count("started worker:1") == 1
+
+
+def test_serving_tasks_failing_after_the_chief_do_not_fail_the_job():
+  launcher, out = _launcher(PS_JOB, {
+      "chief:0": _exit_after(0.5, 0), "worker:0": _exit_after(1.0, 1),
+      "worker:1": _exit_after(1.0, 1), "ps:0": _exit_after(1.0, 1)})
+  code, _ = _run_with_deadline(launcher, 30)
+  assert code == 0, out.getvalue()
+  assert "training finished" in out.getvalue()
+
+
+def test_multi_worker_job_still_needs_every_worker():
+  # Without ps, workers train: one failing restarts the whole job, and
+  # with no restarts left its code is the launcher's.
+  cluster = description.ClusterDescription(workers=2)
+  launcher, out = _launcher(cluster, {
+      "worker:0": _exit_after(0.2, 0), "worker:1": _exit_after(0.5, 3)},
+      max_restarts=1)
+  code, _ = _run_with_deadline(launcher, 30)
+  log = out.getvalue()
+  assert code == 3, log
+  assert "restarting the job" in log and "no restarts left" in log
+  assert log.count("started worker:1") == 2
+
+
+def test_a_taken_port_relaunches_without_using_a_restart(tmp_path):
+  # worker:1 finds its port taken on the first attempt only (exit 43).
+  marker = tmp_path / "tried"
+  flaky = (f"import os, sys; p = {str(marker)!r}; taken = not os.path.exists(p)"
+           f"; open(p, 'w').close(); sys.exit(43 if taken else 0)")
+  cluster = description.ClusterDescription(workers=2)
+  launcher, out = _launcher(cluster, {"worker:0": _exit_after(0.5, 0),
+                                      "worker:1": flaky}, max_restarts=0)
+  code, _ = _run_with_deadline(launcher, 30)
+  log = out.getvalue()
+  assert code == 0, log
+  assert "worker:1 found its port taken; relaunching with new ports" in log
+  assert log.count("started worker:1") == 2
+
+
+def test_train_exits_43_in_one_line_when_its_port_is_taken(tmp_path):
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    tf_config = {"cluster": {"worker": [f"127.0.0.1:{port}",
+                                        f"127.0.0.1:{port + 1}"]},
+                 "task": {"type": "worker", "index": 0}}
+    model_dir = tmp_path / "run"
+    proc = run_cli("--strategy=multi_worker_mirrored",
+                   f"--model_dir={model_dir}", check=False, timeout=120,
+                   env={"TF_CONFIG": json.dumps(tf_config)})
+  assert proc.returncode == 43, proc.stderr
+  assert "Traceback" not in proc.stderr + proc.stdout
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("tfdist:")]
+  assert errors == [f"tfdist: error: could not start this task's gRPC "
+                    f"server at 127.0.0.1:{port}: the port is taken (exit "
+                    f"code 43: launchers relaunch with new ports)."], \
+      proc.stderr
