@@ -25,6 +25,7 @@ import argparse
 import signal
 import sys
 import tempfile
+import threading
 import time
 
 from . import description
@@ -83,7 +84,10 @@ class Launcher:
     del frame
     self._signalled = signum
     if self._job:
-      self._job.forward(signum)
+      # From a thread: forwarding may be a remote call (Ray), which must
+      # not run re-entrantly inside the main thread's own remote call.
+      threading.Thread(target=self._job.forward, args=(signum,),
+                       daemon=True).start()
 
   def run(self):
     """Runs the job to the end; returns the launcher's exit code."""

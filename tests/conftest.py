@@ -54,11 +54,12 @@ def run_launcher(launcher_args, train_args, *, timeout=600, check=True):
 class LauncherProcess:
   """A launcher run whose output is read line by line while it runs."""
 
-  def __init__(self, launcher_args, train_args, env=None):
+  def __init__(self, launcher_args, train_args, env=None,
+               module="launch.local", prefix=()):
     self.lines = []
     self.pids = {}
     self.proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.local", *launcher_args, "--",
+        [*prefix, sys.executable, "-m", module, *launcher_args, "--",
          *train_args], cwd=ROOT, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
         env={**os.environ, **(env or {})})
@@ -80,6 +81,13 @@ class LauncherProcess:
                          "".join(self.lines[-60:]))
 
   def finish(self, timeout=600):
-    rest, _ = self.proc.communicate(timeout=timeout)
+    try:
+      rest, _ = self.proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      # SIGINT first: the launcher then stops every task it started.
+      self.proc.send_signal(2)
+      rest, _ = self.proc.communicate(timeout=60)
+      raise AssertionError(f"still running after {timeout}s:\n" + "".join(
+          self.lines[-40:]) + rest[-3000:]) from None
     self.lines.append(rest)
     return self.proc.returncode, "".join(self.lines)

@@ -6,6 +6,7 @@ the CLI runs, so importing tfdist defines no absl flags in a user's process.
 """
 
 import os
+import signal
 import sys
 import types
 
@@ -114,6 +115,10 @@ def main(argv):
                      show_native_logs=show_native)
   except TfdistError as e:
     _fail(str(e), e.exit_code)
+  except KeyboardInterrupt:
+    # Ctrl-C: the last checkpoint stays the newest; say so, not a traceback.
+    _fail("interrupted (SIGINT); rerun the same command to resume from the "
+          "last checkpoint.", 128 + signal.SIGINT)
   if result is None:  # A serving task (ps, PS worker) or the evaluator.
     return
   for line in api.summary_lines(config, result):

@@ -1,0 +1,221 @@
+"""Ray launcher: every task of a tfdist job in a Ray actor.
+
+python -m launch.ray [--address=auto] --workers=2 [--chief] [--ps=N]
+    [--evaluator] [--cpus_per_task=1] [--gpus_per_task=0]
+    [--placement_strategy=SPREAD|PACK] [--max_restarts=K]
+    -- <tfdist.train flags>
+
+One placement group holds a bundle per task. In each bundle a small actor
+reports its node's IP and a free port; tfdist.cluster builds every task's
+TF_CONFIG from them (not Ray Train's TensorflowConfig, which knows no ps
+or chief), and each actor runs the unchanged `python -m tfdist.train` as a
+subprocess, whose output comes back prefixed with `role:index |`. The
+restart policy is launch.core's, the same as launch.local's.
+
+No task outlives the launcher: a task process gets SIGKILL when its
+actor's process dies (PR_SET_PDEATHSIG, set from a thread that lives as
+long as the actor, since Ray runs actor methods in threads), actors are
+owned by this driver, and a Ray started here is shut down at the end.
+
+Needs the `ray` extra: pip install -e '.[cpu,ray]'.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+from . import core
+from . import description
+from . import processes
+from tfdist import quiet
+
+try:
+  import ray as ray_module
+  from . import ray_actor
+except ImportError:  # The `ray` extra is not installed; main() says so.
+  ray_module = ray_actor = None
+
+_STRATEGIES = ("SPREAD", "PACK")
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(
+      prog="python -m launch.ray",
+      description="Run a tfdist job as Ray actors, one per task.")
+  description.add_arguments(parser)
+  parser.add_argument("--address", default=None,
+                      help="Ray cluster to join ('auto', or host:port); by "
+                      "default a local Ray is started and shut down.")
+  parser.add_argument("--cpus_per_task", type=float, default=1.0,
+                      help="CPUs reserved for each task (default 1).")
+  parser.add_argument("--gpus_per_task", type=float, default=0.0,
+                      help="GPUs reserved for each task (default 0).")
+  parser.add_argument("--placement_strategy", default="SPREAD",
+                      choices=_STRATEGIES,
+                      help="SPREAD tasks over nodes, or PACK them.")
+  parser.add_argument("--ready_timeout", type=float, default=120.0,
+                      help="Seconds to wait for the placement group.")
+  core.add_restart_arguments(parser)
+  args = parser.parse_args(argv)
+  core.finish_args(parser, args)
+  if args.cpus_per_task < 0 or args.gpus_per_task < 0:
+    parser.error(f"--cpus_per_task and --gpus_per_task must be >= 0. "
+                 f"Received: {args.cpus_per_task}, {args.gpus_per_task}")
+  try:
+    args.cluster = description.from_args(args)
+  except ValueError as e:
+    parser.error(str(e))
+  return args
+
+
+def task_names(cluster):
+  """Task names in bundle order: one bundle per task."""
+  return [f"{role}:{index}" for role, count in cluster.counts().items()
+          for index in range(count)]
+
+
+def bundles(args):
+  bundle = {"CPU": args.cpus_per_task}
+  if args.gpus_per_task:
+    bundle["GPU"] = args.gpus_per_task
+  return [dict(bundle) for _ in task_names(args.cluster)]
+
+
+class RayJob:
+  """The placement group and the actors of the current attempt."""
+
+  def __init__(self, args, *, log):
+    self._args = args
+    self._ray = ray_module
+    self._log = log
+    self._names = task_names(args.cluster)
+    self._group = None
+    self._actors = {}  # task name -> actor handle
+
+  def reserve(self):
+    from ray.util.placement_group import placement_group
+    self._group = placement_group(
+        bundles(self._args), strategy=self._args.placement_strategy)
+    try:
+      self._ray.get(self._group.ready(), timeout=self._args.ready_timeout)
+    except self._ray.exceptions.GetTimeoutError:
+      raise RuntimeError(
+          f"Ray could not place {len(self._names)} bundles of "
+          f"{bundles(self._args)[0]} within {self._args.ready_timeout:g}s; "
+          f"cluster resources: {self._ray.cluster_resources()}") from None
+
+  def _new_actor(self, name):
+    from ray.util.scheduling_strategies import \
+        PlacementGroupSchedulingStrategy
+    index = self._names.index(name)
+    return ray_actor.TaskActor.options(
+        num_cpus=self._args.cpus_per_task,
+        num_gpus=self._args.gpus_per_task,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self._group,
+            placement_group_bundle_index=index)).remote()
+
+  def make_tasks(self, unused_args):
+    """One attempt: fresh actors, their addresses, every TF_CONFIG."""
+    self.release_actors()
+    self._actors = {name: self._new_actor(name) for name in self._names}
+    probed = self._ray.get([a.address.remote()
+                            for a in self._actors.values()])
+    addresses = {}
+    for name, address in zip(self._names, probed):
+      addresses.setdefault(name.split(":")[0], []).append(address)
+    return description.task_commands(
+        self._args.cluster, addresses=addresses, module=self._args.module,
+        train_args=self._args.train_args)
+
+  def spawn(self, spec, env):
+    """Starts the task in its actor; a dead actor is replaced in its
+    bundle first (same node, so the address in TF_CONFIG still holds)."""
+    actor = self._actors[spec.name]
+    if not ray_actor.alive(self._ray, actor):
+      actor = self._actors[spec.name] = self._new_actor(spec.name)
+    process = ray_actor.RemoteProcess(self._ray, actor, spec.argv, env,
+                                      cwd=os.getcwd())
+    self._log(f"{spec.name} runs in Ray actor pid={process.actor_pid}")
+    return process
+
+  def release_actors(self):
+    for actor in self._actors.values():
+      ray_actor.release(self._ray, actor)
+    self._actors = {}
+
+  def close(self):
+    self.release_actors()
+    if self._group is not None:
+      from ray.util.placement_group import remove_placement_group
+      remove_placement_group(self._group)
+      self._group = None
+
+
+def connect(*, address, cpus_needed, temp_dir, log):
+  """Joins `address`, or starts a local Ray with at least `cpus_needed`
+  logical CPUs, whose session files live in `temp_dir` (the caller
+  removes it). Ray's start-up lines go to a buffer, shown only if it
+  fails. Shared with launch.sweep."""
+  if address:
+    with quiet.native_stderr_captured():
+      ray_module.init(address=address, log_to_driver=False,
+                      logging_level="ERROR", configure_logging=False)
+    log(f"joined the Ray cluster at {address}")
+    return
+  # Logical CPUs for every task: the tasks, not Ray, share the cores.
+  cpus = max(os.cpu_count() or 1, int(cpus_needed + 0.999))
+  with quiet.native_stderr_captured():
+    ray_module.init(num_cpus=cpus, include_dashboard=False,
+                    log_to_driver=False, logging_level="ERROR",
+                    configure_logging=False, _temp_dir=temp_dir)
+  log(f"a local Ray is up with {cpus} CPUs")
+
+
+def main(argv=None):
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+
+  def log(message):
+    processes.write_line(sys.stdout, f"[launch] {message}")
+
+  if ray_module is None:
+    sys.exit("python -m launch.ray: error: Ray is not installed; install "
+             "the extra: pip install -e '.[cpu,ray]'")
+  started = time.monotonic()
+  # Short: Ray's socket paths live under it and must stay under 108 bytes.
+  temp_dir = tempfile.mkdtemp(prefix="tfdist-ray-")
+  try:
+    code = _launch(args, log, temp_dir, started)
+  finally:
+    shutil.rmtree(temp_dir, ignore_errors=True)
+  sys.exit(code)
+
+
+def _launch(args, log, temp_dir, started):
+  try:
+    connect(address=args.address, temp_dir=temp_dir, log=log,
+            cpus_needed=len(task_names(args.cluster)) * args.cpus_per_task)
+  except (ConnectionError, RuntimeError, ValueError) as e:
+    return (f"python -m launch.ray: error: could not start or reach Ray "
+            f"(--address={args.address}): {e}")
+  job = RayJob(args, log=log)
+  try:
+    try:
+      job.reserve()
+    except RuntimeError as e:
+      return f"python -m launch.ray: error: {e}"
+    log(f"placement group ready: {len(task_names(args.cluster))} bundles "
+        f"of {bundles(args)[0]}, {args.placement_strategy}, in "
+        f"{time.monotonic() - started:.1f}s")
+    return core.Launcher(args, make_tasks=job.make_tasks,
+                         spawn=job.spawn).run()
+  finally:
+    job.close()
+    ray_module.shutdown()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,196 @@
+"""The Ray side of launch.ray: an actor that runs one task process, and a
+Popen-like handle for it on the launcher's side, so that launch.core's
+Job drives Ray tasks exactly as it drives local processes.
+
+Only the standard library and ray: the actor class is shipped to Ray's
+workers by value, so they need no tfdist install on the node.
+"""
+
+import collections
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import ray
+from ray import cloudpickle
+
+# Ray's workers import nothing of ours: send this module's code along.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+_PR_SET_PDEATHSIG = 1
+# What poll() reports when the actor itself is gone: the task was killed.
+ACTOR_LOST_CODE = -signal.SIGKILL
+
+
+def _prepare_child():
+  """In the forked child: die with the actor, and take back the signals
+  that Ray's worker threads block or ignore (both survive exec, so a
+  forwarded Ctrl-C or SIGTERM would do nothing)."""
+  import ctypes
+  signal.pthread_sigmask(signal.SIG_SETMASK, set())
+  try:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+  except OSError:
+    return
+  libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+  for signum in (signal.SIGINT, signal.SIGTERM):
+    libc.signal(signum, ctypes.c_void_p(int(signal.SIG_DFL)))
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class TaskActor:
+  """Runs one task process on its bundle's node."""
+
+  def __init__(self):
+    self._process = None
+    self._lines = collections.deque()
+    self._reader = None
+    self._scratch = None
+    # PR_SET_PDEATHSIG fires when the *thread* that forked the child ends,
+    # and Ray runs actor methods in threads: fork from a thread that lives
+    # exactly as long as this actor's process.
+    self._requests = queue.Queue()
+    threading.Thread(target=self._spawner, daemon=True).start()
+
+  def _spawner(self):
+    while True:
+      argv, env, cwd, reply = self._requests.get()
+      try:
+        reply.put(subprocess.Popen(
+            argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_prepare_child))
+      except OSError as e:
+        reply.put(e)
+
+  def address(self):
+    """This node's IP and a port free on it now (the task binds it later;
+    see launch.core for a port taken in between)."""
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as probe:
+      probe.bind((ip, 0))
+      return f"{ip}:{probe.getsockname()[1]}"
+
+  def start(self, argv, env, cwd):
+    """Starts `argv` with this node's Python; returns (pid, actor pid)."""
+    self._scratch = tempfile.mkdtemp(prefix="tfdist-ray-task-")
+    env = {**os.environ, **env, "TMPDIR": self._scratch}
+    argv = [sys.executable, *argv[1:]]
+    reply = queue.Queue()
+    self._requests.put((argv, env, cwd if os.path.isdir(cwd) else None,
+                        reply))
+    process = reply.get()
+    if isinstance(process, OSError):
+      raise process
+    self._process = process
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+    return process.pid, os.getpid()
+
+  def _read(self):
+    for raw in self._process.stdout:
+      self._lines.append(raw)
+
+  def read(self, max_lines=500):
+    """Output lines so far, and whether there will be no more."""
+    lines = []
+    while self._lines and len(lines) < max_lines:
+      lines.append(self._lines.popleft())
+    done = (not self._lines and self._reader is not None
+            and not self._reader.is_alive())
+    return lines, done
+
+  def poll(self):
+    return self._process.poll()
+
+  def send_signal(self, signum):
+    if self._process.poll() is None:
+      self._process.send_signal(signum)
+
+  def cleanup(self):
+    """Kills the task if it still runs and removes its scratch files."""
+    if self._process is not None and self._process.poll() is None:
+      self._process.kill()
+      self._process.wait()
+    if self._scratch:
+      shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def alive(ray_module, actor):
+  try:
+    ray_module.get(actor.address.remote(), timeout=30)
+    return True
+  except (ray_module.exceptions.RayActorError,
+          ray_module.exceptions.GetTimeoutError):
+    return False
+
+
+def release(ray_module, actor):
+  """Ends the actor; its task process, if any, dies with it."""
+  try:
+    ray_module.get(actor.cleanup.remote(), timeout=30)
+  except (ray_module.exceptions.RayError, ray_module.exceptions.GetTimeoutError):
+    pass
+  ray_module.kill(actor)
+
+
+class RemoteProcess:
+  """A task process in an actor, seen as a subprocess.Popen: pid, poll(),
+  wait(), send_signal(), kill(), and stdout to iterate over."""
+
+  def __init__(self, ray_module, actor, argv, env, *, cwd):
+    self._ray = ray_module
+    self._actor = actor
+    self._returncode = None
+    self.pid, self.actor_pid = ray_module.get(
+        actor.start.remote(argv, env, cwd))
+    self.stdout = self._lines()
+
+  def _call(self, method, *args):
+    """The method's result, or None with the exit code set to
+    ACTOR_LOST_CODE when the actor is gone."""
+    try:
+      return self._ray.get(getattr(self._actor, method).remote(*args))
+    except self._ray.exceptions.RayActorError:
+      if self._returncode is None:
+        self._returncode = ACTOR_LOST_CODE
+      return None
+
+  def _lines(self):
+    while True:
+      result = self._call("read")
+      if result is None:
+        return
+      lines, done = result
+      yield from lines
+      if done:
+        return
+      if not lines:
+        time.sleep(0.1)
+
+  def poll(self):
+    if self._returncode is None:
+      self._returncode = self._call("poll")
+    return self._returncode
+
+  def wait(self, timeout=None):
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while self.poll() is None:
+      if deadline is not None and time.monotonic() > deadline:
+        raise subprocess.TimeoutExpired("ray task", timeout)
+      time.sleep(0.1)
+    return self._returncode
+
+  def send_signal(self, signum):
+    if self.poll() is None:
+      self._call("send_signal", signum)
+
+  def kill(self):
+    self.send_signal(signal.SIGKILL)

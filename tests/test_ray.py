@@ -1,0 +1,129 @@
+"""launch.ray against a real local Ray, started by the launcher inside a
+private network namespace with only `lo` up: there Ray falls back to
+127.0.0.1, so all its traffic stays on loopback.
+
+Every task is an unchanged `python -m tfdist.train` run by a Ray actor.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+
+import pytest
+
+import artifacts
+from conftest import LauncherProcess
+
+pytest.importorskip("ray", reason="needs the ray extra: pip install "
+                    "-e '.[cpu,ray]'")
+
+_ACTOR = re.compile(r"^\[launch\] (\S+) runs in Ray actor pid=(\d+)")
+_TASK = re.compile(r"^\[launch\] started (\S+) pid=(\d+)")
+
+
+@pytest.fixture
+def netns():
+  """A network namespace with only loopback up; removed afterwards."""
+  if os.geteuid() != 0 or not shutil.which("ip"):
+    pytest.skip("needs root and iproute2 for a private network namespace")
+  name = f"tfdist-ray-{os.getpid()}"
+  subprocess.run(["ip", "netns", "add", name], check=True)
+  try:
+    subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo",
+                    "up"], check=True)
+    yield ["ip", "netns", "exec", name]
+  finally:
+    subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def _ray_daemons():
+  """pids of Ray's own daemons on this machine."""
+  found = set()
+  for pid in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmdline = f.read()
+    except OSError:
+      continue
+    if b"raylet" in cmdline or b"gcs_server" in cmdline:
+      found.add(int(pid))
+  return found
+
+
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  # A zombie has exited; only its parent has not reaped it yet.
+  with open(f"/proc/{pid}/stat") as f:
+    return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _pids(output, pattern):
+  return {int(m.group(2)) for m in map(pattern.match, output.splitlines())
+          if m}
+
+
+def _launch(netns, launcher_args, train_args):
+  return LauncherProcess(launcher_args, train_args, module="launch.ray",
+                         prefix=netns)
+
+
+def _assert_nothing_left(output, daemons_before):
+  started = _pids(output, _ACTOR) | _pids(output, _TASK)
+  assert started, output[-2000:]
+  assert not [p for p in started if _alive(p)], "a task or actor survived"
+  assert _ray_daemons() <= daemons_before, "Ray's daemons survived"
+
+
+def test_multi_worker_job_survives_a_killed_actor(netns, tmp_path, data_dir):
+  daemons = _ray_daemons()
+  model_dir = str(tmp_path / "run")
+  run = _launch(netns, ["--workers=2", "--max_restarts=2",
+                        "--backoff_seconds=0.2"],
+                ["--strategy=multi_worker_mirrored", "--train_steps=1500",
+                 "--checkpoint_every=100", "--eval_every=0",
+                 f"--model_dir={model_dir}", f"--data_dir={data_dir}"])
+  run.wait_for(lambda l: "worker:1 | " in l and "train step 300/1500" in l)
+  output = "".join(run.lines)
+  actor = [int(m.group(2)) for m in map(_ACTOR.match, output.splitlines())
+           if m and m.group(1) == "worker:1"][-1]
+  os.kill(actor, signal.SIGKILL)  # The actor, not the task: it must die too.
+  code, output = run.finish(timeout=300)
+  assert code == 0, output[-3000:]
+  assert "worker:1 exited with code -9; restarting the job" in output
+  assert "(attempt 2)" in output
+  assert "worker:0 | " in output and "Finished at step 1500/1500" in output
+  assert artifacts.checkpoint_step(model_dir) == 1500
+  _assert_nothing_left(output, daemons)
+
+
+def test_parameter_server_job_ends_at_the_exact_step(netns, tmp_path,
+                                                      data_dir):
+  model_dir = str(tmp_path / "run")
+  run = _launch(netns, ["--chief", "--workers=1", "--ps=1"],
+                ["--strategy=parameter_server", "--train_steps=300",
+                 "--eval_every=0", f"--model_dir={model_dir}",
+                 f"--data_dir={data_dir}"])
+  code, output = run.finish(timeout=300)
+  assert code == 0, output[-3000:]
+  assert re.search(r"chief:0 \| Finished at step 300/300 .* eval accuracy "
+                   r"0\.9", output), output[-2000:]
+  assert "ps:0 | " in output and "worker:0 | " in output
+  assert artifacts.checkpoint_step(model_dir) == 300
+
+
+def test_ctrl_c_leaves_no_process(netns, tmp_path, data_dir):
+  daemons = _ray_daemons()
+  run = _launch(netns, ["--workers=2"],
+                ["--strategy=multi_worker_mirrored", "--train_steps=1000000",
+                 f"--model_dir={tmp_path / 'run'}", f"--data_dir={data_dir}"])
+  run.wait_for(lambda l: "train step 100/" in l)
+  run.proc.send_signal(signal.SIGINT)
+  code, output = run.finish(timeout=120)
+  assert code == 128 + signal.SIGINT, output[-2000:]
+  assert "stopped by signal 2" in output
+  _assert_nothing_left(output, daemons)
