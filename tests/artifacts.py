@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import tensorflow as tf
+from tensorboard.plugins.hparams import plugin_data_pb2
 
 
 # The first trainable kernel. The checkpoint's object graph names each
@@ -56,3 +57,18 @@ def assert_weights_close(actual, expected, rtol):
   for key in expected:
     np.testing.assert_allclose(actual[key], expected[key], rtol=rtol,
                                atol=1e-7, err_msg=key)
+
+
+def hparams(log_dir):
+  """The HParams a run logged for TensorBoard's HParams dashboard, as
+  {name: value}; {} if none."""
+  for path in glob.glob(os.path.join(log_dir, "events.out.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        if value.metadata.plugin_data.plugin_name == "hparams":
+          data = plugin_data_pb2.HParamsPluginData.FromString(
+              value.metadata.plugin_data.content)
+          if data.HasField("session_start_info"):
+            return {name: getattr(v, v.WhichOneof("kind"))
+                    for name, v in data.session_start_info.hparams.items()}
+  return {}

@@ -1,6 +1,7 @@
 """Shared fixtures: the CLI as a subprocess, and prepared digits data."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -91,3 +92,19 @@ class LauncherProcess:
           self.lines[-40:]) + rest[-3000:]) from None
     self.lines.append(rest)
     return self.proc.returncode, "".join(self.lines)
+
+
+@pytest.fixture
+def netns():
+  """A network namespace with only loopback up, as an `ip netns exec`
+  prefix; removed afterwards. Ray run there falls back to 127.0.0.1."""
+  if os.geteuid() != 0 or not shutil.which("ip"):
+    pytest.skip("needs root and iproute2 for a private network namespace")
+  name = f"tfdist-ray-{os.getpid()}"
+  subprocess.run(["ip", "netns", "add", name], check=True)
+  try:
+    subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo",
+                    "up"], check=True)
+    yield ["ip", "netns", "exec", name]
+  finally:
+    subprocess.run(["ip", "netns", "del", name], check=False)

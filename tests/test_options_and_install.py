@@ -14,8 +14,8 @@ import zipfile
 
 import portpicker
 import pytest
-import tensorflow as tf
-from tensorboard.plugins.hparams import plugin_data_pb2
+
+import artifacts
 
 from conftest import ROOT
 from conftest import run_cli
@@ -51,23 +51,11 @@ def test_helpfull_lists_every_option_grouped_with_its_default():
   assert "(default: '64')" in text  # --batch_size, with its default.
 
 
-def _hparams_keys(log_dir):
-  for path in glob.glob(os.path.join(log_dir, "events.out.*")):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      for value in event.summary.value:
-        if value.metadata.plugin_data.plugin_name == "hparams":
-          data = plugin_data_pb2.HParamsPluginData.FromString(
-              value.metadata.plugin_data.content)
-          if data.HasField("session_start_info"):
-            return set(data.session_start_info.hparams)
-  return set()
-
-
 def test_every_option_reaches_the_hparams_log(tmp_path, data_dir):
   run_cli("--train_steps=10", "--steps_per_loop=10", "--log_every=10",
           "--export=false", "--profile_steps=2,4", f"--data_dir={data_dir}",
           f"--model_dir={tmp_path / 'run'}")
-  assert _hparams_keys(str(tmp_path / "run" / "train")) == set(NAMES)
+  assert set(artifacts.hparams(str(tmp_path / "run" / "train"))) == set(NAMES)
 
 
 def test_bad_option_values_name_the_option():

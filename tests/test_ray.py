@@ -7,7 +7,6 @@ Every task is an unchanged `python -m tfdist.train` run by a Ray actor.
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 
@@ -21,21 +20,6 @@ pytest.importorskip("ray", reason="needs the ray extra: pip install "
 
 _ACTOR = re.compile(r"^\[launch\] (\S+) runs in Ray actor pid=(\d+)")
 _TASK = re.compile(r"^\[launch\] started (\S+) pid=(\d+)")
-
-
-@pytest.fixture
-def netns():
-  """A network namespace with only loopback up; removed afterwards."""
-  if os.geteuid() != 0 or not shutil.which("ip"):
-    pytest.skip("needs root and iproute2 for a private network namespace")
-  name = f"tfdist-ray-{os.getpid()}"
-  subprocess.run(["ip", "netns", "add", name], check=True)
-  try:
-    subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo",
-                    "up"], check=True)
-    yield ["ip", "netns", "exec", name]
-  finally:
-    subprocess.run(["ip", "netns", "del", name], check=False)
 
 
 def _ray_daemons():

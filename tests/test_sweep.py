@@ -1,0 +1,94 @@
+"""launch.sweep over a real local Ray Tune (in a private network namespace,
+as in test_ray.py): 4 digits trials, ASHA, an interruption and a resume,
+the ranked table and the HParams every trial logged."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+import artifacts
+from conftest import ROOT
+
+pytest.importorskip("ray.tune", reason="needs the ray extra")
+
+_ROW = re.compile(r"^(\d+)\s+(\w+_\d+)\s+(\d+)\s+(\S+)\s+(adam|sgd)\s+"
+                  r"([0-9.]+)\s+(\d+)\s+(\d+)( \(stopped\))?\s+(\S+)$")
+
+
+def _sweep(netns, space, sweep_dir, data_dir):
+  return subprocess.Popen(
+      [*netns, sys.executable, "-m", "launch.sweep", f"--space={space}",
+       "--trials=4", "--max_concurrent=2", f"--sweep_dir={sweep_dir}",
+       "--seed=0", "--", f"--data_dir={data_dir}"],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sweep_stops_weak_trials_and_resumes(netns, tmp_path, data_dir):
+  sweep_dir = tmp_path / "sweeps"
+  first = _sweep(netns, "configs/sweep_digits.yaml", sweep_dir, data_dir)
+  lines = []
+  for line in first.stdout:
+    lines.append(line)
+    # Interrupt once one trial is done and another is mid-run.
+    if re.search(r"(finished|stopped early by ASHA at step \d+)$",
+                 line.strip()) and any("step 200:" in l for l in lines):
+      first.send_signal(signal.SIGINT)
+      break
+  rest, _ = first.communicate(timeout=180)
+  first_output = "".join(lines) + rest
+  assert first.returncode == 128 + signal.SIGINT, first_output[-3000:]
+  assert "trial(s) unfinished; run the same command again" in first_output
+  done_first = set(re.findall(r"\[sweep\] (\w+_\d+) (?:finished|stopped)",
+                              first_output))
+  assert done_first, first_output
+
+  second = _sweep(netns, "configs/sweep_digits.yaml", sweep_dir, data_dir)
+  output, _ = second.communicate(timeout=400)
+  assert second.returncode == 0, first_output[-2000:] + output[-3000:]
+  assert "resuming the sweep" in output
+  # Trials done before the interruption are kept, not run again.
+  started_again = set(re.findall(r"\[sweep\] (\w+_\d+) started", output))
+  assert not done_first & started_again, output
+
+  rows = [_ROW.match(l.strip()) for l in output.splitlines()]
+  rows = [r for r in rows if r]
+  assert [int(r.group(1)) for r in rows] == [1, 2, 3, 4], output
+  best = [float(r.group(6)) for r in rows]
+  assert best == sorted(best, reverse=True)
+  assert best[0] >= 0.95
+  assert any(r.group(9) for r in rows), "ASHA stopped no trial early"
+  assert any(int(r.group(8)) == 600 for r in rows)
+
+  space = yaml.safe_load(open(os.path.join(ROOT, "configs",
+                                           "sweep_digits.yaml")))
+  resumed = 0
+  for row in rows:
+    model_dir = row.group(10)
+    logged = artifacts.hparams(os.path.join(model_dir, "train"))
+    assert logged["batch_size"] == int(row.group(3))
+    assert logged["optimizer"] == row.group(5)
+    assert logged["train_steps"] == space["flags"]["train_steps"]
+    assert artifacts.checkpoint_step(model_dir) == int(row.group(8))
+    with open(os.path.join(model_dir, "trial.log")) as f:
+      resumed += "Resumed from" in f.read()
+  # The trial cut off mid-run went on from its checkpoint.
+  assert resumed >= 1
+
+
+def test_a_bad_space_is_one_line_before_ray_starts(tmp_path):
+  space = tmp_path / "space.yaml"
+  space.write_text("flags: {train_steps: 100}\n"
+                   "space: {learning_rate: {loguniform: [0, 0.1]}}\n")
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.sweep", f"--space={space}"], cwd=ROOT,
+      capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"python -m launch.sweep: error: {space}: space.learning_rate: "
+      "loguniform needs low > 0. Received: [0, 0.1]")
+  assert "Traceback" not in proc.stderr
