@@ -2,8 +2,8 @@
 
 python -m launch.k8s --name=JOB --image=IMAGE [--chief] --workers=N
     [--ps=M] [--evaluator] [--gpus_per_worker=G] [--cpu=2] [--memory=4Gi]
-    [--namespace=NS] [--port=2222] [--format=jobs|tfjob] [--output=FILE]
-    -- <tfdist.train flags>
+    [--namespace=NS] [--port=2222] [--volume=pvc:CLAIM:/mount ...]
+    [--format=jobs|tfjob] [--output=FILE] -- <tfdist.train flags>
 
 --format=jobs (default) writes, for `kubectl apply -f`:
 - a headless Service whose name is the pods' subdomain, so task i of a role
@@ -14,10 +14,17 @@ python -m launch.k8s --name=JOB --image=IMAGE [--chief] --workers=N
 - a NetworkPolicy that admits the training port only from pods of the same
   job: TF's gRPC servers have no authentication.
 --format=tfjob writes a Kubeflow TFJob; its operator sets TF_CONFIG.
+
+Both formats mount every --volume in every pod: a model_dir inside the
+container's own filesystem is lost when the container restarts, and a
+sidecar evaluator in another pod never sees it, so a local model_dir on
+no volume gets a warning (gs:// and s3:// need none).
 """
 
 import argparse
+import dataclasses
 import json
+import posixpath
 import re
 import shlex
 import sys
@@ -45,6 +52,11 @@ def parse_args(argv):
                       help="Memory request and limit, e.g. 4Gi.")
   parser.add_argument("--backoff_limit", type=int, default=6,
                       help="Pod restarts a Job allows before it fails.")
+  parser.add_argument("--volume", action="append", default=[],
+                      metavar="KIND:SOURCE:MOUNT",
+                      help="Mount a volume in every pod, repeatable: "
+                      "pvc:CLAIM:/mount, hostPath:/node/path:/mount, or "
+                      "emptyDir:/mount (single-pod tests only).")
   parser.add_argument("--format", choices=("jobs", "tfjob"), default="jobs")
   parser.add_argument("--output", default=None, help="Write here, not "
                       "stdout.")
@@ -58,9 +70,74 @@ def parse_args(argv):
                  f"characters. Received: {args.name!r}")
   try:
     args.cluster = description.from_args(args)
+    args.volumes = [parse_volume(v) for v in args.volume]
   except ValueError as e:
     parser.error(str(e))
+  warning = model_dir_warning(args.train_args, args.volumes)
+  if warning:
+    sys.stderr.write(f"python -m launch.k8s: warning: {warning}\n")
   return args
+
+
+@dataclasses.dataclass(frozen=True)
+class Volume:
+  kind: str  # pvc, hostPath or emptyDir
+  source: str  # claim name or node path; "" for emptyDir
+  mount: str
+
+
+def parse_volume(text):
+  kind, _, rest = text.partition(":")
+  if kind == "emptyDir":
+    source, mount = "", rest
+  elif kind in ("pvc", "hostPath"):
+    source, _, mount = rest.rpartition(":")
+  else:
+    raise ValueError(f"--volume kind must be pvc, hostPath or emptyDir. "
+                     f"Received: --volume={text}")
+  if not mount.startswith("/") or (kind != "emptyDir" and not source):
+    raise ValueError(f"--volume must be pvc:CLAIM:/mount, "
+                     f"hostPath:/path:/mount or emptyDir:/mount. Received: "
+                     f"--volume={text}")
+  return Volume(kind=kind, source=source, mount=mount.rstrip("/") or "/")
+
+
+def _flag_value(train_args, name):
+  value = None
+  for arg in train_args:
+    if arg.startswith(f"--{name}="):
+      value = arg.split("=", 1)[1]
+  return value
+
+
+def model_dir_warning(train_args, volumes):
+  """Why the checkpoints would be lost, or None: a local model_dir must
+  live on a volume (gs:// and s3:// are read through tf.io.gfile)."""
+  model_dir = _flag_value(train_args, "model_dir")
+  if not model_dir or "://" in model_dir:
+    return None
+  path = posixpath.normpath(model_dir)
+  if any(path == v.mount or path.startswith(v.mount.rstrip("/") + "/")
+         for v in volumes):
+    return None
+  return (f"--model_dir={model_dir} is on no --volume: a restarted "
+          "container loses its checkpoints, and an evaluator in another pod "
+          "never sees them. Mount one (--volume=pvc:CLAIM:/mount) or use a "
+          "gs:// or s3:// model_dir.")
+
+
+def _pod_volumes(args):
+  """(pod `volumes`, container `volumeMounts`) for --volume."""
+  volumes, mounts = [], []
+  for i, volume in enumerate(args.volumes):
+    name = f"volume-{i}"
+    source = {"pvc": {"persistentVolumeClaim": {"claimName": volume.source}},
+              "hostPath": {"hostPath": {"path": volume.source,
+                                        "type": "DirectoryOrCreate"}},
+              "emptyDir": {"emptyDir": {}}}[volume.kind]
+    volumes.append({"name": name, **source})
+    mounts.append({"name": name, "mountPath": volume.mount})
+  return volumes, mounts
 
 
 def addresses(args):
@@ -121,7 +198,18 @@ def _container(args, role, *, name, command, port_name, env=None):
   resources = _resources(args, role)
   if resources:
     container["resources"] = resources
+  _, mounts = _pod_volumes(args)
+  if mounts:
+    container["volumeMounts"] = mounts
   return container
+
+
+def _pod_spec(args, container, **fields):
+  spec = {**fields, "containers": [container]}
+  volumes, _ = _pod_volumes(args)
+  if volumes:
+    spec["volumes"] = volumes
+  return spec
 
 
 def job_manifests(args):
@@ -145,15 +233,14 @@ def job_manifests(args):
             "template": {
                 "metadata": {"labels": {JOB_LABEL: args.name,
                                         ROLE_LABEL: role}},
-                "spec": {"subdomain": args.name,
-                         "restartPolicy": "OnFailure",
-                         "containers": [_container(
-                             args, role, name="tfdist",
-                             command=["sh", "-c",
-                                      start_script(args.train_args)],
-                             port_name="grpc",
-                             env={"TFDIST_CLUSTER": cluster_json,
-                                  "TFDIST_ROLE": role})]},
+                "spec": _pod_spec(
+                    args, _container(
+                        args, role, name="tfdist",
+                        command=["sh", "-c", start_script(args.train_args)],
+                        port_name="grpc",
+                        env={"TFDIST_CLUSTER": cluster_json,
+                             "TFDIST_ROLE": role}),
+                    subdomain=args.name, restartPolicy="OnFailure"),
             },
         },
     })
@@ -180,7 +267,7 @@ def tfjob_manifest(args):
         port_name="tfjob-port")
     specs[TFJOB_ROLES[role]] = {
         "replicas": count, "restartPolicy": "OnFailure",
-        "template": {"spec": {"containers": [container]}}}
+        "template": {"spec": _pod_spec(args, container)}}
   return [{"apiVersion": "kubeflow.org/v1", "kind": "TFJob",
            "metadata": _metadata(args, args.name),
            "spec": {"runPolicy": {"backoffLimit": args.backoff_limit},

@@ -5,6 +5,7 @@ would give it and hostnames mapped to 127.0.0.1 ports, trains to the end."""
 import io
 import json
 import os
+import shutil
 import sys
 
 import kubernetes_validate
@@ -29,11 +30,15 @@ MWMS = ["--name=mwms", "--image=tfdist:latest", "--workers=2", "--cpu=1",
         "--memory=2Gi", "--gpus_per_worker=1", "--namespace=ml"]
 PS = ["--name=ps-job", "--image=tfdist:latest", "--chief", "--workers=1",
       "--ps=1", "--evaluator"]
+VOLUMES = ["--volume=pvc:tfdist-runs:/data", "--volume=emptyDir:/scratch",
+           "--volume=hostPath:/srv/datasets:/datasets"]
 
 
 @pytest.mark.parametrize("argv", [MWMS, PS], ids=["mwms", "ps"])
-def test_manifests_pass_schema_validation(argv):
-  docs = _manifests(*argv, "--", "--strategy=auto", "--model_dir=/data/r")
+def test_manifests_pass_schema_validation(argv, capsys):
+  docs = _manifests(*argv, *VOLUMES, "--", "--strategy=auto",
+                    "--model_dir=/data/r")
+  assert "warning" not in capsys.readouterr().err
   kinds = [d["kind"] for d in docs]
   assert kinds[0] == "Service" and kinds[-1] == "NetworkPolicy"
   for doc in docs:
@@ -46,6 +51,7 @@ def test_manifests_pass_schema_validation(argv):
     assert spec["template"]["spec"]["restartPolicy"] == "OnFailure"
     assert spec["template"]["spec"]["subdomain"] == docs[0]["metadata"][
         "name"]
+    _assert_volumes(spec["template"]["spec"])
   service = docs[0]["spec"]
   assert service["clusterIP"] == "None"
   policy = docs[-1]["spec"]
@@ -53,9 +59,43 @@ def test_manifests_pass_schema_validation(argv):
       service["selector"]
 
 
+def _assert_volumes(pod_spec):
+  assert pod_spec["volumes"] == [
+      {"name": "volume-0", "persistentVolumeClaim": {
+          "claimName": "tfdist-runs"}},
+      {"name": "volume-1", "emptyDir": {}},
+      {"name": "volume-2", "hostPath": {"path": "/srv/datasets",
+                                        "type": "DirectoryOrCreate"}}]
+  assert pod_spec["containers"][0]["volumeMounts"] == [
+      {"name": "volume-0", "mountPath": "/data"},
+      {"name": "volume-1", "mountPath": "/scratch"},
+      {"name": "volume-2", "mountPath": "/datasets"}]
+
+
+@pytest.mark.parametrize("model_dir,warned", [
+    ("/data/run", False), ("/data", False), ("gs://bucket/run", False),
+    ("s3://bucket/run", False), ("/database/run", True), ("runs/x", True)])
+def test_a_model_dir_on_no_volume_is_warned_about(model_dir, warned, capsys):
+  k8s.parse_args(["--name=j", "--image=i", "--workers=1",
+                  "--volume=pvc:c:/data", "--", f"--model_dir={model_dir}"])
+  err = capsys.readouterr().err
+  assert ("is on no --volume: a restarted container loses its "
+          "checkpoints" in err) is warned, err
+
+
+@pytest.mark.parametrize("volume", ["nfs:server:/d", "pvc:/d", "pvc:c:d",
+                                    "hostPath::/d", "emptyDir:d"])
+def test_bad_volume_is_one_line(volume, capsys):
+  with pytest.raises(SystemExit):
+    k8s.parse_args(["--name=j", "--image=i", "--workers=1",
+                    f"--volume={volume}"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("python -m launch.k8s: error: --volume")
+
+
 def test_tfjob_format_is_valid_where_kubernetes_can_check_it():
-  (tfjob,) = _manifests(*PS, "--format=tfjob", "--",
-                        "--strategy=parameter_server")
+  (tfjob,) = _manifests(*PS, *VOLUMES, "--format=tfjob", "--",
+                        "--strategy=parameter_server", "--model_dir=/data/r")
   assert tfjob["kind"] == "TFJob"
   assert set(tfjob["spec"]["tfReplicaSpecs"]) == {"Chief", "Worker", "PS",
                                                   "Evaluator"}
@@ -66,11 +106,30 @@ def test_tfjob_format_is_valid_where_kubernetes_can_check_it():
          "metadata": {"name": "check"}, "template": spec["template"]},
         KUBERNETES_VERSION, strict=True)
     assert spec["template"]["spec"]["containers"][0]["name"] == "tensorflow"
+    _assert_volumes(spec["template"]["spec"])
+    env = spec["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "GRPC_FAIL_FAST", "value": "use_caller"} in env
 
 
 def test_bad_name_is_one_line():
   with pytest.raises(SystemExit):
     k8s.parse_args(["--name=Bad_Name", "--image=x", "--workers=1"])
+
+
+def _with_mounts(pod_spec, command):
+  """The pod's command in a private mount namespace (unshare, as root)
+  where each hostPath volume is bind-mounted at its mountPath, as the
+  kubelet would."""
+  sources = {v["name"]: v["hostPath"]["path"]
+             for v in pod_spec.get("volumes", []) if "hostPath" in v}
+  binds = [(sources[m["name"]], m["mountPath"])
+           for m in pod_spec["containers"][0].get("volumeMounts", [])]
+  if not binds:
+    return command
+  script = " && ".join(f"mkdir -p {src} && mount --bind {src} {dst}"
+                       for src, dst in binds)
+  return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+          script + ' && exec "$@"', "pod", *command]
 
 
 def _local_pods(docs):
@@ -90,7 +149,8 @@ def _local_pods(docs):
     for index in range(job["spec"]["completions"]):
       specs.append(description.TaskSpec(
           role=role, index=index, address=local[role][index],
-          argv=container["command"],
+          argv=_with_mounts(job["spec"]["template"]["spec"],
+                            container["command"]),
           env={**env, "JOB_COMPLETION_INDEX": str(index), "PATH": path}))
   return specs
 
@@ -100,8 +160,15 @@ def _local_pods(docs):
     (PS, ["--strategy=parameter_server"]),
 ], ids=["mwms", "ps"])
 def test_pod_commands_train_to_completion(argv, train, tmp_path, data_dir):
-  model_dir = str(tmp_path / "run")
-  docs = _manifests(*argv, "--", *train, f"--model_dir={model_dir}",
+  """With model_dir on a hostPath volume: every pod sees the node's
+  directory at the mount path, as on a cluster."""
+  if os.geteuid() != 0 or not shutil.which("unshare"):
+    pytest.skip("needs root and unshare to mount the pods' volume")
+  node, mount = tmp_path / "node", tmp_path / "pod"
+  mount.mkdir()
+  model_dir = str(mount / "run")
+  docs = _manifests(*argv, f"--volume=hostPath:{node}:{mount}", "--", *train,
+                    f"--model_dir={model_dir}",
                     f"--data_dir={data_dir}", "--train_steps=60",
                     "--steps_per_loop=10", "--eval_every=0")
   out = io.StringIO()
@@ -115,6 +182,28 @@ def test_pod_commands_train_to_completion(argv, train, tmp_path, data_dir):
     job.stop()
     os.chdir(cwd)
   assert code == 0, (failed and failed.name, out.getvalue()[-3000:])
-  assert artifacts.checkpoint_step(model_dir) == 60
+  # The checkpoints are on the node's volume; nothing under the mount
+  # point outside the pods.
+  assert artifacts.checkpoint_step(str(node / "run")) == 60
+  assert not os.listdir(mount)
   if "--evaluator" in argv:
     assert "Sidecar evaluator done at step 60" in out.getvalue()
+
+
+def test_dockerfile_installs_what_the_manifests_run():
+  """No image can be built here (no registry for base images), so check
+  what can be: every COPY source exists, the extras exist in setup.cfg,
+  and the pod command's modules are in the packages the image installs."""
+  with open(os.path.join(ROOT, "Dockerfile")) as f:
+    lines = [l.split("#")[0].strip() for l in f]
+  copied = [l.split()[1] for l in lines if l.startswith("COPY ")]
+  for source in copied:
+    assert os.path.exists(os.path.join(ROOT, source)), source
+  with open(os.path.join(ROOT, "setup.cfg")) as f:
+    setup = f.read()
+  extras = [l.split("=", 1)[1] for l in lines
+            if l.startswith("ARG TF_EXTRA=")]
+  assert extras == ["cpu"] and "\ncpu =\n" in setup and "\ngpu =\n" in setup
+  # launch -> tfdist.launch (package_dir), which the pod command imports.
+  assert {"tfdist", "models", "launch", "tools"} <= set(copied)
+  assert "python -m tfdist.launch.task_config" in k8s.start_script([])
