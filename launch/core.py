@@ -54,11 +54,17 @@ def add_restart_arguments(parser):
 
 
 def finish_args(parser, args):
+  """Checks the shared flags and sets args.cluster from the description
+  flags (launch.description), or exits with one parser error."""
   if args.train_args and args.train_args[0] == "--":
     args.train_args = args.train_args[1:]
   if args.max_restarts < 0:
     parser.error(f"--max_restarts must be >= 0. Received: "
                  f"{args.max_restarts}")
+  try:
+    args.cluster = description.from_args(args)
+  except ValueError as e:
+    parser.error(str(e))
 
 
 class Launcher:

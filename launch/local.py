@@ -33,10 +33,6 @@ def parse_args(argv):
   core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
   core.finish_args(parser, args)
-  try:
-    args.cluster = description.from_args(args)
-  except ValueError as e:
-    parser.error(str(e))
   return args
 
 

@@ -21,8 +21,10 @@ Needs the `ray` extra: pip install -e '.[cpu,ray]'.
 """
 
 import argparse
+import contextlib
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -64,10 +66,6 @@ def parse_args(argv):
   if args.cpus_per_task < 0 or args.gpus_per_task < 0:
     parser.error(f"--cpus_per_task and --gpus_per_task must be >= 0. "
                  f"Received: {args.cpus_per_task}, {args.gpus_per_task}")
-  try:
-    args.cluster = description.from_args(args)
-  except ValueError as e:
-    parser.error(str(e))
   return args
 
 
@@ -155,24 +153,55 @@ class RayJob:
       self._group = None
 
 
-def connect(*, address, cpus_needed, temp_dir, log):
-  """Joins `address`, or starts a local Ray with at least `cpus_needed`
-  logical CPUs, whose session files live in `temp_dir` (the caller
-  removes it). Ray's start-up lines go to a buffer, shown only if it
-  fails. Shared with launch.sweep."""
-  if address:
+class RayUnavailable(RuntimeError):
+  """Ray is not installed, or could not be started or reached."""
+
+
+def _check_reachable(address, timeout=10.0):
+  """Ray retries an unreachable GCS for minutes; say so at once instead."""
+  host, _, port = address.rpartition(":")
+  try:
+    with socket.create_connection((host, int(port)), timeout=timeout):
+      return
+  except (OSError, ValueError) as e:
+    raise RayUnavailable(f"no Ray cluster answers at --address={address} "
+                         f"({e}).") from None
+
+
+@contextlib.contextmanager
+def session(*, address, cpus_needed, log):
+  """Ray for one launcher run, shared with launch.sweep: joins `address`,
+  or starts a local Ray with at least `cpus_needed` logical CPUs (the
+  tasks, not Ray, share the cores) and removes its files at the end.
+  Ray's start-up lines go to a buffer, shown only if it fails."""
+  if ray_module is None:
+    raise RayUnavailable("Ray is not installed; install the extra: pip "
+                         "install -e '.[cpu,ray]'")
+  if address and address != "auto" and "://" not in address:
+    _check_reachable(address)
+  # Short: Ray's socket paths live under it and must stay under 108 bytes.
+  temp_dir = tempfile.mkdtemp(prefix="tfdist-ray-")
+  try:
     with quiet.native_stderr_captured():
-      ray_module.init(address=address, log_to_driver=False,
-                      logging_level="ERROR", configure_logging=False)
-    log(f"joined the Ray cluster at {address}")
-    return
-  # Logical CPUs for every task: the tasks, not Ray, share the cores.
-  cpus = max(os.cpu_count() or 1, int(cpus_needed + 0.999))
-  with quiet.native_stderr_captured():
-    ray_module.init(num_cpus=cpus, include_dashboard=False,
-                    log_to_driver=False, logging_level="ERROR",
-                    configure_logging=False, _temp_dir=temp_dir)
-  log(f"a local Ray is up with {cpus} CPUs")
+      if address:
+        ray_module.init(address=address, log_to_driver=False,
+                        logging_level="ERROR", configure_logging=False)
+      else:
+        cpus = max(os.cpu_count() or 1, int(cpus_needed + 0.999))
+        ray_module.init(num_cpus=cpus, include_dashboard=False,
+                        log_to_driver=False, logging_level="ERROR",
+                        configure_logging=False, _temp_dir=temp_dir)
+  except (ConnectionError, RuntimeError, ValueError) as e:
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    raise RayUnavailable(f"could not start or reach Ray "
+                         f"(--address={address}): {e}") from None
+  log(f"joined the Ray cluster at {address}" if address else
+      f"a local Ray is up with {cpus} CPUs")
+  try:
+    yield
+  finally:
+    ray_module.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def main(argv=None):
@@ -181,26 +210,18 @@ def main(argv=None):
   def log(message):
     processes.write_line(sys.stdout, f"[launch] {message}")
 
-  if ray_module is None:
-    sys.exit("python -m launch.ray: error: Ray is not installed; install "
-             "the extra: pip install -e '.[cpu,ray]'")
   started = time.monotonic()
-  # Short: Ray's socket paths live under it and must stay under 108 bytes.
-  temp_dir = tempfile.mkdtemp(prefix="tfdist-ray-")
   try:
-    code = _launch(args, log, temp_dir, started)
-  finally:
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    with session(address=args.address, log=log,
+                 cpus_needed=len(task_names(args.cluster)) *
+                 args.cpus_per_task):
+      code = _launch(args, log, started)
+  except RayUnavailable as e:
+    sys.exit(f"python -m launch.ray: error: {e}")
   sys.exit(code)
 
 
-def _launch(args, log, temp_dir, started):
-  try:
-    connect(address=args.address, temp_dir=temp_dir, log=log,
-            cpus_needed=len(task_names(args.cluster)) * args.cpus_per_task)
-  except (ConnectionError, RuntimeError, ValueError) as e:
-    return (f"python -m launch.ray: error: could not start or reach Ray "
-            f"(--address={args.address}): {e}")
+def _launch(args, log, started):
   job = RayJob(args, log=log)
   try:
     try:
@@ -214,7 +235,6 @@ def _launch(args, log, temp_dir, started):
                          spawn=job.spawn).run()
   finally:
     job.close()
-    ray_module.shutdown()
 
 
 if __name__ == "__main__":

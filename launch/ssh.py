@@ -37,13 +37,12 @@ def parse_args(argv):
                       help="Remote Python that has tfdist installed.")
   core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
-  core.finish_args(parser, args)
   hosts = [h for h in args.hosts.split(",") if h]
   if args.workers is None:
     args.workers = (len(hosts) - int(args.chief) - args.ps -
                     int(args.evaluator))
+  core.finish_args(parser, args)
   try:
-    args.cluster = description.from_args(args)
     tasks = sum(args.cluster.counts().values())
     if tasks != len(hosts):
       raise ValueError(f"--hosts lists {len(hosts)} host(s) for {tasks} "

@@ -26,10 +26,8 @@ kept, and unfinished ones resume from their checkpoints.
 import argparse
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 
 import yaml
@@ -37,15 +35,15 @@ import yaml
 from . import processes
 from tfdist import options as options_lib
 
+from . import ray as ray_launch
+
 try:
-  import ray as ray_module
   from ray import tune
   from ray.tune.schedulers import ASHAScheduler
   from ray.tune.search.basic_variant import BasicVariantGenerator
-  from . import ray as ray_launch
   from . import sweep_trial
 except ImportError:  # The `ray` extra is not installed; main() says so.
-  ray_module = None
+  tune = None
 
 DISTRIBUTIONS = ("choice", "uniform", "loguniform")
 # Set by the sweep for each trial, never by the space.
@@ -233,7 +231,7 @@ def format_table(rows, *, metric, params, train_steps):
                    .rstrip() for line in lines)
 
 
-class _Progress(tune.Callback if ray_module else object):
+class _Progress(tune.Callback if tune else object):
   """One line per eval of a trial, and one when a trial ends."""
 
   def __init__(self, metric, log, train_steps):
@@ -297,44 +295,44 @@ def main(argv=None):
   def log(message):
     processes.write_line(sys.stdout, f"[sweep] {message}")
 
-  if ray_module is None:
-    sys.exit("python -m launch.sweep: error: Ray Tune is not installed; "
-             "install the extra: pip install -e '.[cpu,ray]'")
   started = time.monotonic()
-  temp_dir = tempfile.mkdtemp(prefix="tfdist-ray-")
   # Tune's own progress tables: our [sweep] lines say the same, shorter.
   os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+  # Tune warns about every trial that has not reported yet when a sweep is
+  # interrupted; the table shows those trials anyway.
+  logging.getLogger("ray.tune").setLevel(logging.ERROR)
   try:
-    # Tune warns about every trial that has not reported yet when a sweep
-    # is interrupted; the table shows those trials anyway.
-    logging.getLogger("ray.tune").setLevel(logging.ERROR)
-    ray_launch.connect(address=args.address, temp_dir=temp_dir, log=log,
-                       cpus_needed=args.max_concurrent *
-                       args.workers_per_trial)
-    results = _tuner(args, log).fit()
-    params = sorted(args.space_spec)
-    rows = ranked_rows(results, metric=args.metric, mode=args.mode,
-                       params=params)
-    print(format_table(rows, metric=args.metric, params=params,
-                       train_steps=args.train_steps), flush=True)
-    # The saved state is what a rerun resumes from: count from it.
-    saved = [t.status for t in tune.ExperimentAnalysis(
-        os.path.join(os.path.abspath(args.sweep_dir), args.name)).trials]
-    failed = saved.count("ERROR")
-    unfinished = args.trials - saved.count("TERMINATED") - failed
-    log(f"{len(rows)} trials in {time.monotonic() - started:.0f}s "
-        f"({failed} failed); TensorBoard with every trial's hparams: "
-        f"tensorboard --logdir {os.path.join(args.sweep_dir, args.name)}")
-    if unfinished:
-      log(f"interrupted with {unfinished} trial(s) unfinished; run the same "
-          "command again to resume.")
-      code = 128 + signal.SIGINT
-    else:
-      code = 1 if failed == len(rows) else 0
-  finally:
-    ray_module.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    with ray_launch.session(address=args.address, log=log,
+                            cpus_needed=args.max_concurrent *
+                            args.workers_per_trial):
+      code = _sweep(args, log, started)
+  except ray_launch.RayUnavailable as e:
+    sys.exit(f"python -m launch.sweep: error: {e}")
   sys.exit(code)
+
+
+def _sweep(args, log, started):
+  """Runs (or resumes) the sweep, prints the table; returns the exit
+  code: 130 if interrupted, 1 if every trial failed."""
+  results = _tuner(args, log).fit()
+  params = sorted(args.space_spec)
+  rows = ranked_rows(results, metric=args.metric, mode=args.mode,
+                     params=params)
+  print(format_table(rows, metric=args.metric, params=params,
+                     train_steps=args.train_steps), flush=True)
+  # The saved state is what a rerun resumes from: count from it.
+  saved = [t.status for t in tune.ExperimentAnalysis(
+      os.path.join(os.path.abspath(args.sweep_dir), args.name)).trials]
+  failed = saved.count("ERROR")
+  unfinished = args.trials - saved.count("TERMINATED") - failed
+  log(f"{len(rows)} trials in {time.monotonic() - started:.0f}s "
+      f"({failed} failed); TensorBoard with every trial's hparams: "
+      f"tensorboard --logdir {os.path.join(args.sweep_dir, args.name)}")
+  if unfinished:
+    log(f"interrupted with {unfinished} trial(s) unfinished; run the same "
+        "command again to resume.")
+    return 128 + signal.SIGINT
+  return 1 if failed == len(rows) else 0
 
 
 if __name__ == "__main__":

@@ -40,6 +40,20 @@ def data_dir(tmp_path_factory):
   return path
 
 
+def process_alive(pid):
+  """True while `pid` runs; a zombie has exited, only its parent has not
+  reaped it yet."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+
+
 def run_launcher(launcher_args, train_args, *, timeout=600, check=True):
   """Runs `python -m launch.local LAUNCHER_ARGS -- TRAIN_ARGS`."""
   proc = subprocess.run(

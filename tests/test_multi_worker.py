@@ -8,6 +8,7 @@ import time
 
 import artifacts
 from conftest import LauncherProcess
+from conftest import process_alive
 from conftest import run_launcher
 
 MWMS = ["--strategy=multi_worker_mirrored", "--steps_per_loop=10",
@@ -17,16 +18,6 @@ MWMS = ["--strategy=multi_worker_mirrored", "--steps_per_loop=10",
 def _train_args(model_dir, data_dir, *extra):
   return [f"--model_dir={model_dir}", f"--data_dir={data_dir}", *MWMS,
           *extra]
-
-
-def _alive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  # A zombie is gone for our purposes.
-  with open(f"/proc/{pid}/stat") as f:
-    return f.read().split()[2] != "Z"
 
 
 def test_sigkilled_worker_restarts_job_and_finishes(tmp_path, data_dir):
@@ -124,7 +115,7 @@ def test_stalled_worker_gives_an_error_naming_it(tmp_path, data_dir):
   try:
     code, output = run.finish(timeout=120)
   finally:
-    if _alive(stalled):
+    if process_alive(stalled):
       os.kill(stalled, signal.SIGCONT)
   assert code == 2
   assert re.search(r"worker:0 \| tfdist: error: a collective on worker:0 "
@@ -144,6 +135,7 @@ def test_ctrl_c_stops_every_task(tmp_path, data_dir):
   assert code == 128 + signal.SIGINT, output[-2000:]
   assert "stopped by signal" in output
   deadline = time.monotonic() + 10
-  while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+  while (any(process_alive(p) for p in pids.values()) and
+         time.monotonic() < deadline):
     time.sleep(0.2)
-  assert not any(_alive(p) for p in pids.values())
+  assert not any(process_alive(p) for p in pids.values())

@@ -9,11 +9,14 @@ import os
 import re
 import signal
 import subprocess
+import sys
 
 import pytest
 
 import artifacts
+from conftest import ROOT
 from conftest import LauncherProcess
+from conftest import process_alive
 
 pytest.importorskip("ray", reason="needs the ray extra: pip install "
                     "-e '.[cpu,ray]'")
@@ -36,16 +39,6 @@ def _ray_daemons():
   return found
 
 
-def _alive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  # A zombie has exited; only its parent has not reaped it yet.
-  with open(f"/proc/{pid}/stat") as f:
-    return f.read().split(")")[-1].split()[0] != "Z"
-
-
 def _pids(output, pattern):
   return {int(m.group(2)) for m in map(pattern.match, output.splitlines())
           if m}
@@ -59,7 +52,7 @@ def _launch(netns, launcher_args, train_args):
 def _assert_nothing_left(output, daemons_before):
   started = _pids(output, _ACTOR) | _pids(output, _TASK)
   assert started, output[-2000:]
-  assert not [p for p in started if _alive(p)], "a task or actor survived"
+  assert not [p for p in started if process_alive(p)], "a task or actor lived on"
   assert _ray_daemons() <= daemons_before, "Ray's daemons survived"
 
 
@@ -111,3 +104,20 @@ def test_ctrl_c_leaves_no_process(netns, tmp_path, data_dir):
   assert code == 128 + signal.SIGINT, output[-2000:]
   assert "stopped by signal 2" in output
   _assert_nothing_left(output, daemons)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--address=127.0.0.1:1", "--workers=1"],
+     "no Ray cluster answers at --address=127.0.0.1:1"),
+    (["--workers=1", "--cpus_per_task=-1"],
+     "--cpus_per_task and --gpus_per_task must be >= 0"),
+    (["--workers=0"], "a job needs at least one worker or a chief"),
+])
+def test_bad_input_is_one_line(argv, message):
+  proc = subprocess.run([sys.executable, "-m", "launch.ray", *argv, "--",
+                         "--model_dir=unused"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=60)
+  assert proc.returncode != 0
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("python -m launch.ray: error: ") and message in last
+  assert "Traceback" not in proc.stderr
