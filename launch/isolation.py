@@ -35,6 +35,23 @@ class PrivateNetwork:
                    capture_output=True)
 
 
+_PREFIX = "tfdist-"
+
+
+def remove_stale():
+  """Deletes the namespaces of launchers that were SIGKILLed (and so could
+  not delete their own): tfdist-<pid> whose pid is gone."""
+  listed = subprocess.run(["ip", "netns", "list"], capture_output=True,
+                          text=True, check=False).stdout
+  for line in listed.splitlines():
+    name = line.split()[0] if line.split() else ""
+    pid = name[len(_PREFIX):]
+    if name.startswith(_PREFIX) and pid.isdigit() and not os.path.exists(
+        f"/proc/{pid}"):
+      subprocess.run(["ip", "netns", "del", name], check=False,
+                     capture_output=True)
+
+
 def available():
   """(True, '') if a private namespace can be made here, else (False,
   why)."""
@@ -59,8 +76,9 @@ def open_for(mode, log):
         f"reachable from other hosts ({why} for a private namespace); see "
         "the README's security section.")
     return None
+  remove_stale()
   try:
-    network = PrivateNetwork(f"tfdist-{os.getpid()}")
+    network = PrivateNetwork(f"{_PREFIX}{os.getpid()}")
   except subprocess.CalledProcessError as e:
     if mode == "on":
       raise RuntimeError(f"--isolate=on: ip netns failed: "

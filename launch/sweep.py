@@ -175,15 +175,29 @@ def parse_args(argv):
   return args
 
 
+_PARSERS = {"int": int, "float": float,
+            "bool": lambda v: {"true": True, "false": False}[v.lower()],
+            "ints": lambda v: [int(x) for x in v.split(",")]}
+
+
 def _flags_as_dict(parser, train_args):
-  """Extra `--name=value` flags after --, as strings tfdist will parse."""
+  """Extra `--name=value` flags after --, typed and checked as tfdist's
+  options; they override the space file's `flags`."""
   extra = {}
   for arg in train_args:
-    name, has_value, value = arg[2:].partition("=")
+    name, has_value, text = arg[2:].partition("=")
     if not arg.startswith("--") or not has_value:
       parser.error(f"extra train flags must be --name=value. Received: {arg}")
-    if name not in options_lib.BY_NAME or name in _RESERVED:
+    option = options_lib.BY_NAME.get(name)
+    if option is None or name in _RESERVED:
       parser.error(f"unknown or reserved tfdist flag after --: {arg}")
+    try:
+      value = _PARSERS.get(option.kind, str)(text)
+    except (ValueError, KeyError):
+      parser.error(f"--{name} takes a {option.kind}. Received: {arg}")
+    message = option.check(value)
+    if message:
+      parser.error(message)
     extra[name] = value
   return extra
 

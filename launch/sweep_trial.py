@@ -104,9 +104,15 @@ def run_trial(params, *, fixed, trials_dir, workers, cwd, poll_seconds=0.5):
         time.sleep(poll_seconds)
     finally:
       # Stopped by the scheduler (or failed): the run must not go on.
+      # SIGTERM first, so that a launch.local of a multi-worker trial
+      # stops its tasks and removes its network namespace.
       if process.poll() is None:
-        process.kill()
-        process.wait()
+        process.terminate()
+        try:
+          process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+          process.kill()
+          process.wait()
   if process.returncode != 0:
     with open(log_path, encoding="utf-8", errors="replace") as f:
       tail = f.read()[-1500:]

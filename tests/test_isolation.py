@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from conftest import LauncherProcess
+from launch import isolation
 
 HOST, OUTSIDE = "198.18.7.1", "198.18.7.2"
 
@@ -76,3 +77,22 @@ def test_task_ports_are_closed_to_the_outside(outside, tmp_path, data_dir,
     assert "private network namespace" in output
     assert f"tfdist-{run.proc.pid}" not in subprocess.run(
         ["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_namespaces_of_killed_launchers_are_removed():
+  """A SIGKILLed launcher cannot delete its namespace; the next one does."""
+  if os.geteuid() != 0 or not shutil.which("ip"):
+    pytest.skip("needs root and iproute2 for network namespaces")
+  gone = subprocess.Popen([sys.executable, "-c", "pass"])
+  gone.wait()
+  stale, live = f"tfdist-{gone.pid}", f"tfdist-{os.getpid()}"
+  for name in (stale, live):
+    subprocess.run(["ip", "netns", "add", name], check=True)
+  try:
+    isolation.remove_stale()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True,
+                            text=True, check=True).stdout.split()
+    assert stale not in listed and live in listed
+  finally:
+    for name in (stale, live):
+      subprocess.run(["ip", "netns", "del", name], capture_output=True)
