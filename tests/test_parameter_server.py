@@ -31,7 +31,7 @@ def test_trains_to_accuracy_with_an_exact_step(tmp_path, data_dir):
       == 300
   # ps and worker tasks serve until the chief is done; then they are
   # not needed (they exit once its port is gone, or the launcher stops them).
-  assert "worker:1 | Serving as worker:1" in proc.stdout
+  assert re.search(r"worker:1 \| \S+ Serving as worker:1", proc.stdout)
   assert "training finished" in proc.stdout
 
 

@@ -61,10 +61,10 @@ def test_multi_worker_job_survives_a_killed_actor(netns, tmp_path, data_dir):
   model_dir = str(tmp_path / "run")
   run = _launch(netns, ["--workers=2", "--max_restarts=2",
                         "--backoff_seconds=0.2"],
-                ["--strategy=multi_worker_mirrored", "--train_steps=1500",
+                ["--strategy=multi_worker_mirrored", "--train_steps=1000",
                  "--checkpoint_every=100", "--eval_every=0",
                  f"--model_dir={model_dir}", f"--data_dir={data_dir}"])
-  run.wait_for(lambda l: "worker:1 | " in l and "train step 300/1500" in l)
+  run.wait_for(lambda l: "worker:1 | " in l and "train step 200/1000" in l)
   output = "".join(run.lines)
   actor = [int(m.group(2)) for m in map(_ACTOR.match, output.splitlines())
            if m and m.group(1) == "worker:1"][-1]
@@ -73,8 +73,8 @@ def test_multi_worker_job_survives_a_killed_actor(netns, tmp_path, data_dir):
   assert code == 0, output[-3000:]
   assert "worker:1 exited with code -9; restarting the job" in output
   assert "(attempt 2)" in output
-  assert "worker:0 | " in output and "Finished at step 1500/1500" in output
-  assert artifacts.checkpoint_step(model_dir) == 1500
+  assert "worker:0 | " in output and "Finished at step 1000/1000" in output
+  assert artifacts.checkpoint_step(model_dir) == 1000
   _assert_nothing_left(output, daemons)
 
 

@@ -16,6 +16,9 @@ from conftest import ROOT
 
 pytest.importorskip("ray.tune", reason="needs the ray extra")
 
+# Shorter than the file's 600 steps, to keep CI short; flags after --
+# override the file's.
+TRAIN_STEPS = 400
 _ROW = re.compile(r"^(\d+)\s+(\w+_\d+)\s+(\d+)\s+(\S+)\s+(adam|sgd)\s+"
                   r"([0-9.]+)\s+(\d+)\s+(\d+)( \(stopped\))?\s+(\S+)$")
 
@@ -24,7 +27,8 @@ def _sweep(netns, space, sweep_dir, data_dir):
   return subprocess.Popen(
       [*netns, sys.executable, "-m", "launch.sweep", f"--space={space}",
        "--trials=4", "--max_concurrent=2", f"--sweep_dir={sweep_dir}",
-       "--seed=0", "--", f"--data_dir={data_dir}"],
+       "--seed=0", "--", f"--data_dir={data_dir}",
+       f"--train_steps={TRAIN_STEPS}"],
       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -62,7 +66,7 @@ def test_sweep_stops_weak_trials_and_resumes(netns, tmp_path, data_dir):
   assert best == sorted(best, reverse=True)
   assert best[0] >= 0.95
   assert any(r.group(9) for r in rows), "ASHA stopped no trial early"
-  assert any(int(r.group(8)) == 600 for r in rows)
+  assert any(int(r.group(8)) == TRAIN_STEPS for r in rows)
 
   space = yaml.safe_load(open(os.path.join(ROOT, "configs",
                                            "sweep_digits.yaml")))
@@ -72,7 +76,8 @@ def test_sweep_stops_weak_trials_and_resumes(netns, tmp_path, data_dir):
     logged = artifacts.hparams(os.path.join(model_dir, "train"))
     assert logged["batch_size"] == int(row.group(3))
     assert logged["optimizer"] == row.group(5)
-    assert logged["train_steps"] == space["flags"]["train_steps"]
+    assert logged["train_steps"] == TRAIN_STEPS
+    assert logged["model"] == space["flags"]["model"]
     assert artifacts.checkpoint_step(model_dir) == int(row.group(8))
     with open(os.path.join(model_dir, "trial.log")) as f:
       resumed += "Resumed from" in f.read()
