@@ -17,6 +17,13 @@ tf.config.set_logical_device_configuration(
     [tf.config.LogicalDeviceConfiguration()] * 4)
 
 
+def long_test(why):
+  """Skips a test that CI cannot afford (it must stay under 25 minutes)
+  unless TFDIST_LONG_TESTS=1."""
+  if not os.environ.get("TFDIST_LONG_TESTS"):
+    pytest.skip(f"long test ({why}): set TFDIST_LONG_TESTS=1")
+
+
 def run_cli(*args, timeout=300, env=None, check=True):
   """Runs `python -m tfdist.train ARGS`; returns the CompletedProcess."""
   proc = subprocess.run(

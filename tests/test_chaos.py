@@ -8,10 +8,10 @@ TFDIST_LONG_TESTS=1, to keep CI under 25 minutes.
 """
 
 import io
-import os
 
 import pytest
 
+from conftest import long_test
 from tools import chaos
 
 CASES = {
@@ -29,8 +29,7 @@ CASES = {
 
 @pytest.mark.parametrize("strategy", sorted(CASES))
 def test_chaos_loses_nothing(tmp_path, data_dir, strategy):
-  if not os.environ.get("TFDIST_LONG_TESTS"):
-    pytest.skip("long test (2-3 minutes): set TFDIST_LONG_TESTS=1")
+  long_test("2-3 minutes")
   launcher, train = CASES[strategy]
   args = chaos.parse_args([
       "--duration=60", "--kill_every=10-20", "--seed=1", "--baseline", "--",

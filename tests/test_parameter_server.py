@@ -7,6 +7,7 @@ import signal
 
 import artifacts
 from conftest import LauncherProcess
+from conftest import long_test
 from conftest import run_launcher
 
 PS = ["--strategy=parameter_server", "--eval_every=0"]
@@ -37,6 +38,9 @@ def test_trains_to_accuracy_with_an_exact_step(tmp_path, data_dir):
 
 def test_killed_worker_restarts_alone_and_run_ends_at_requested_step(
     tmp_path, data_dir):
+  # test_launcher_core.py checks the restart-alone policy with scripted
+  # tasks in seconds; this is the same with TensorFlow.
+  long_test("about 50 s")
   model_dir = str(tmp_path / "run")
   run = LauncherProcess(
       [*CLUSTER, "--max_restarts=2", "--backoff_seconds=0.2"],

@@ -9,6 +9,7 @@ import pytest
 import artifacts
 import slurm_cluster
 from conftest import ROOT
+from conftest import long_test
 from tfdist import cluster
 from tfdist.cluster import ClusterError
 
@@ -64,6 +65,10 @@ def slurm(tmp_path_factory):
     ("parameter_server", ["--ps_tasks=1"]),
 ], ids=["mwms", "ps"])
 def test_sbatch_job_completes(slurm, strategy, extra, tmp_path, data_dir):
+  if strategy == "multi_worker_mirrored":
+    # The PS job runs the same sbatch script with more roles; MWMS through
+    # a launcher is tested in test_multi_worker.py and test_ray.py.
+    long_test("45-75 s")
   model_dir = str(tmp_path / "run")
   code, output = slurm.sbatch(
       ["-N1", "-n3", "launch/slurm.sbatch", f"--strategy={strategy}",
