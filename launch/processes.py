@@ -34,14 +34,6 @@ def _die_with_parent():
     pass  # Not Linux: Job.stop() still ends every task.
 
 
-def spawn_process(argv, env, cwd=None):
-  """A task process: its own session, output piped, killed with us."""
-  return subprocess.Popen(
-      argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-      start_new_session=True, preexec_fn=_die_with_parent)
-
-
 class _Task:
 
   def __init__(self, spec):
@@ -91,7 +83,10 @@ class Job:
       # The task's temporary files, under the launcher's scratch directory.
       env["TMPDIR"] = tempfile.mkdtemp(prefix=f"{spec.role}{spec.index}-",
                                        dir=self._scratch_root)
-    return spawn_process(spec.argv, env)
+    return subprocess.Popen(
+        spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True,
+        preexec_fn=_die_with_parent)
 
   def abandon(self, task):
     """Stops watching a task that failed for good."""

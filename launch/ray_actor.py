@@ -29,10 +29,11 @@ _PR_SET_PDEATHSIG = 1
 ACTOR_LOST_CODE = -signal.SIGKILL
 
 
-def _prepare_child():
-  """In the forked child: die with the actor, and take back the signals
-  that Ray's worker threads block or ignore (both survive exec, so a
-  forwarded Ctrl-C or SIGTERM would do nothing)."""
+def prepare_child():
+  """In a child forked in a Ray worker: die with the forking thread (the
+  actor's spawner, or a Tune trial's), and take back the signals that
+  Ray's worker threads block or ignore (both survive exec, so a forwarded
+  Ctrl-C or SIGTERM would do nothing)."""
   import ctypes
   signal.pthread_sigmask(signal.SIG_SETMASK, set())
   try:
@@ -66,7 +67,7 @@ class TaskActor:
         reply.put(subprocess.Popen(
             argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_prepare_child))
+            start_new_session=True, preexec_fn=prepare_child))
       except OSError as e:
         reply.put(e)
 

@@ -2,13 +2,13 @@
 subprocess, whose eval metrics are followed in its --metrics_file and
 reported to Tune as they come, so that ASHA can stop a weak trial early.
 
-Only the standard library and ray: Tune ships this module to its workers
-by value, so the nodes need no copy of the launcher's checkout.
+Only the standard library, ray and launch.ray_actor's child set-up: Tune
+ships this module to its workers by value, so the nodes need no copy of
+the launcher's checkout.
 """
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,22 +16,11 @@ import time
 from ray import cloudpickle
 from ray import tune
 
+# A function, not the module: it travels by value with this one (Tune's
+# workers need not import the launcher's package).
+from .ray_actor import prepare_child
+
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _prepare_child():
-  """Dies with this trial's thread (Tune runs the function in a thread,
-  and PR_SET_PDEATHSIG follows the forking thread: exactly the trial's
-  lifetime), with the signals Ray's threads block taken back."""
-  import ctypes
-  signal.pthread_sigmask(signal.SIG_SETMASK, set())
-  try:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG,
-                                                   signal.SIGKILL)
-  except OSError:
-    pass
 
 
 def flag_args(values):
@@ -92,7 +81,7 @@ def run_trial(params, *, fixed, trials_dir, workers, cwd, poll_seconds=0.5):
   with open(log_path, "ab") as log:
     process = subprocess.Popen(
         command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, preexec_fn=_prepare_child,
+        stdin=subprocess.DEVNULL, preexec_fn=prepare_child,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
       while True:

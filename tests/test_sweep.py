@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import tensorflow as tf
 import yaml
 
 import artifacts
@@ -78,7 +79,13 @@ def test_sweep_stops_weak_trials_and_resumes(netns, tmp_path, data_dir):
     assert logged["optimizer"] == row.group(5)
     assert logged["train_steps"] == TRAIN_STEPS
     assert logged["model"] == space["flags"]["model"]
-    assert artifacts.checkpoint_step(model_dir) == int(row.group(8))
+    if row.group(9):
+      # ASHA stopped it right after an eval: its last checkpoint may be
+      # one interval behind (or absent), never ahead.
+      if tf.train.latest_checkpoint(model_dir):
+        assert artifacts.checkpoint_step(model_dir) <= int(row.group(8))
+    else:
+      assert artifacts.checkpoint_step(model_dir) == TRAIN_STEPS
     with open(os.path.join(model_dir, "trial.log")) as f:
       resumed += "Resumed from" in f.read()
   # The trial cut off mid-run went on from its checkpoint.
