@@ -28,9 +28,10 @@ class FakeRunner:
   def make_iterator(self, input_fn):
     return input_fn
 
-  def run_steps(self, iterator, num_steps, steps_per_call):
+  def run_steps(self, iterator, num_steps, steps_per_call, first_step):
     del iterator, steps_per_call
     start = int(self._global_step.numpy())
+    assert first_step == start, (first_step, start)
     self.calls.append((start, num_steps))
     first = None
     if self._bad_step is not None and start < self._bad_step <= (

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tfdist import checkpoints
 from tfdist import compiled_loops
+from tfdist import compression
 from tfdist import data
 from tfdist import devices
 from tfdist import export
@@ -152,6 +153,9 @@ def build_trainer(config, info, task, *, write_dir):
     optimizer.build(model.trainable_variables)
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                               name="global_step")
+    reducer = compression.create(config, model.trainable_variables)
+  if info.num_replicas > 1 and not info.coordinator:
+    logging.info("%s.", reducer.describe())
   check_model_fits_data(task, model, sample)
   metrics = compiled_loops.Metrics(task.metrics())
   loops = compiled_loops.LoopFunctions(
@@ -159,7 +163,7 @@ def build_trainer(config, info, task, *, write_dir):
       metrics=metrics, global_batch_size=config.batch_size,
       steps_per_loop=config.steps_per_loop, global_step=global_step,
       grad_accum_steps=config.grad_accum_steps, clip_norm=config.clip_norm,
-      allreduce_dtype=config.allreduce_dtype,
+      reducer=reducer,
       jit_compile=preflight.jit_mode(config, info, local))
   runner = runners.create(info, loops)
   store = checkpoints.CheckpointStore(
@@ -183,6 +187,8 @@ def build_trainer(config, info, task, *, write_dir):
       startup_scalars[f"variable_bytes/{device}"] = size
 
   def after_restore():
+    # PowerSGD's error buffers belong to the run that wrote the checkpoint.
+    reducer.reset()
     # A constant rate is a variable in the checkpoint; the flag given now
     # wins. A schedule is a function of the restored step.
     if schedule["schedule"] == "constant" and not schedule["warmup_steps"]:

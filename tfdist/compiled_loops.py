@@ -123,7 +123,7 @@ class LoopFunctions:
 
   def __init__(self, *, strategy, model, optimizer, task, metrics,
                global_batch_size, steps_per_loop, global_step,
-               grad_accum_steps=1, clip_norm=0.0, allreduce_dtype="float32",
+               grad_accum_steps=1, clip_norm=0.0, reducer=None,
                jit_compile="none"):
     self._strategy = strategy
     self._model = model
@@ -135,7 +135,7 @@ class LoopFunctions:
     self._global_step = global_step
     self._accum = grad_accum_steps
     self._clip_norm = clip_norm
-    self._allreduce_dtype = allreduce_dtype
+    self.reducer = reducer or compression.PlainReducer()
     # The step all-reduces its gradients itself (compression, clipping
     # after the reduction), so the optimizer must not do it again.
     compression.take_over_reduction(optimizer)
@@ -194,7 +194,7 @@ class LoopFunctions:
     return loss, grads, states
 
   @_PLAIN
-  def _train_step(self, batch, state, index):
+  def _train_step(self, batch, state, index, compressed=True):
     features, labels = batch
     if self._accum > 1:
       loss, grads, metric_states = self._accumulated(features, labels,
@@ -202,7 +202,7 @@ class LoopFunctions:
     else:
       loss, grads, metric_states = self._gradients(features, labels,
                                                    state.metrics)
-    grads = compression.all_reduce(grads, self._allreduce_dtype)
+    grads = self.reducer.reduce(grads, compressed)
     if self._clip_norm:
       grads, _ = tf.clip_by_global_norm(grads, self._clip_norm)
     self._optimizer.apply_gradients(
@@ -235,12 +235,23 @@ class LoopFunctions:
 
   # Loops (traced inside a runner's tf.function) --------------------------
 
-  def train_steps(self, iterator, num_steps):
-    """`num_steps` replica steps; returns the packed, reduced sums."""
+  def compressed_from(self, step):
+    """Whether a loop call starting at `step` runs the compressed
+    all-reduce, and the step where that changes (None: never)."""
+    start = self.reducer.start_step
+    if start is None:
+      return False, None
+    return step >= start, (start if step < start else None)
+
+  def train_steps(self, iterator, num_steps, compressed=False):
+    """`num_steps` replica steps; returns the packed, reduced sums.
+    `compressed` (a Python bool, so a second trace) picks the reducer's
+    compressed all-reduce."""
     run = self._strategy.run
     state = run(self.train_zeros)
     for index in tf.range(num_steps):
-      state = run(self.train_step, args=(next(iterator), state, index))
+      state = run(self.train_step,
+                  args=(next(iterator), state, index, compressed))
     return self._reduce(self.pack_train, state)
 
   def eval_steps(self, iterator, num_steps):

@@ -189,6 +189,15 @@ OPTIONS = (
     _enum("allreduce_dtype", "float32", ("float32", "float16", "bfloat16"),
           "All-reduce gradients in this dtype (compression).",
           "multi_worker"),
+    _enum("allreduce_compression", "none", ("none", "powersgd"),
+          "powersgd: send each big gradient matrix as two rank-R factors "
+          "(Vogels et al. 2019, with error feedback and warm start); "
+          "vectors and matrices that would not shrink 2x go as they are. "
+          "mirrored and multi_worker_mirrored.", "multi_worker"),
+    _o("powersgd_rank", 4, "--allreduce_compression=powersgd: the rank R.",
+       "multi_worker", above=0),
+    _o("powersgd_start_step", 0, "--allreduce_compression=powersgd: plain "
+       "all-reduce before this step.", "multi_worker", minimum=0),
     # parameter_server
     _o("ps_shard_min_bytes", 256 << 10, "Split variables into shards of at "
        "least this many bytes; 0: --ps_max_shards fixed shards.",

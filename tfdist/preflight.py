@@ -49,6 +49,12 @@ def check_run(config, info, local_devices):
         "--check_replicas_every compares replicas' copies of the weights; "
         "under parameter_server there is one copy, on the ps tasks. "
         f"Received: check_replicas_every={config.check_replicas_every}")
+  if config.allreduce_compression != "none" and (
+      strategies.kind(info.name).runner != "sync" or info.name == "tpu"):
+    raise ConfigError(
+        f"--allreduce_compression={config.allreduce_compression} replaces "
+        "the synchronous gradient all-reduce of mirrored and "
+        f"multi_worker_mirrored. Received: strategy={info.name}")
   if config.model_parallel == "none":
     return
   if not strategies.kind(info.name).hosts_model_parallel:

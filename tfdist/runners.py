@@ -34,9 +34,10 @@ class Runner(Protocol):
   def make_iterator(self, input_fn):
     """An iterator over the distributed dataset of `input_fn`."""
 
-  def run_steps(self, iterator, num_steps, steps_per_call
+  def run_steps(self, iterator, num_steps, steps_per_call, first_step
                 ) -> compiled_loops.LoopSums:
-    """Trains `num_steps` steps, counting them in the global step."""
+    """Trains `num_steps` steps from `first_step`, counting them in the
+    global step."""
 
   def evaluate(self, input_fn, num_steps) -> compiled_loops.LoopSums:
     """One exact eval pass of `num_steps` global batches."""
@@ -90,17 +91,24 @@ class SyncRunner:
   def make_iterator(self, input_fn):
     return iter(self._strategy.distribute_datasets_from_function(input_fn))
 
-  def _counted_train_steps(self, iterator, num_steps):
-    sums = self._loops.train_steps(iterator, num_steps)
+  def _counted_train_steps(self, iterator, num_steps, compressed):
+    sums = self._loops.train_steps(iterator, num_steps, compressed)
     self._loops.count_steps(num_steps)
     return sums
 
-  def run_steps(self, iterator, num_steps, steps_per_call):
-    """Each call counts its steps in the global step as it ends."""
-    return combine(
-        self._loops.unpack_train(
-            self._guard.run(self._call, self._train, iterator, size), size)
-        for size in _chunks(num_steps, steps_per_call))
+  def run_steps(self, iterator, num_steps, steps_per_call, first_step):
+    """Each call counts its steps in the global step as it ends. No call
+    spans the step where the compressed all-reduce starts."""
+    parts, step, end = [], first_step, first_step + num_steps
+    while step < end:
+      compressed, change = self._loops.compressed_from(step)
+      until = min(end, change) if change else end
+      train = functools.partial(self._train, compressed=compressed)
+      for size in _chunks(until - step, steps_per_call):
+        parts.append(self._loops.unpack_train(
+            self._guard.run(self._call, train, iterator, size), size))
+      step = until
+    return combine(parts)
 
   def evaluate(self, input_fn, num_steps):
     return self._loops.unpack_eval(
@@ -147,7 +155,7 @@ class ParameterServerRunner:
     return iter(self._coordinator.create_per_worker_dataset(
         per_worker_dataset))
 
-  def run_steps(self, iterator, num_steps, steps_per_call):
+  def run_steps(self, iterator, num_steps, steps_per_call, first_step):  # pylint: disable=unused-argument
     """All calls are queued at once so every worker stays busy.
 
     A call lost with a failed worker is re-dispatched by the coordinator,

@@ -201,7 +201,7 @@ class Trainer:
       self._profile(step)
       num_steps = min(self._boundaries(step), until_step) - step
       sums = self._runner.run_steps(iterator, num_steps,
-                                    options.steps_per_loop)
+                                    options.steps_per_loop, step)
       self._check_finite(sums, step)
       meter.add(sums)
       step += num_steps
