@@ -141,7 +141,8 @@ def build_trainer(config, info, task, *, write_dir):
   else:
     inputs = data.inputs_from_dataset(
         task.data(), global_batch_size=config.batch_size,
-        eval_steps_requested=config.eval_steps)
+        eval_steps_requested=config.eval_steps,
+        sharding=config.input_sharding, num_hosts=info.num_workers)
   sample = inputs.sample
   strategy = info.strategy
   with strategy.scope():

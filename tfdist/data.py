@@ -41,6 +41,10 @@ class Dataset:
   test_source: Callable[[], tf.data.Dataset]
   input_shape: Optional[Tuple[int, ...]] = None
   num_classes: Optional[int] = None
+  # Data read from files: (num_hosts, host_id) -> (source, num_examples) of
+  # that host's own files (--input_sharding=file). None: not from files.
+  train_files: Optional[Callable[[int, int], Tuple[Callable, int]]] = None
+  num_train_files: int = 0
 
 
 def _count(dataset):
@@ -94,13 +98,24 @@ def _from_builder(builder):
     raise ConfigError(f"dataset {builder.name!r} needs a train split and a "
                       f"test or validation split; it has {list(splits)}.")
 
-  def source(split):
+  def source(split, context=None):
     return lambda: builder.as_dataset(
         split=split, as_supervised=True,
-        read_config=tfds.ReadConfig(shuffle_seed=0)).map(
+        read_config=tfds.ReadConfig(shuffle_seed=0,
+                                    input_context=context)).map(
             _normalize, num_parallel_calls=tf.data.AUTOTUNE).cache()
 
+  shard_lengths = splits["train"].shard_lengths
+
+  def train_files(num_hosts, host_id):
+    # tfds gives host i files i, i + num_hosts, ... (its FILE sharding).
+    context = tf.distribute.InputContext(num_input_pipelines=num_hosts,
+                                         input_pipeline_id=host_id)
+    return (source("train", context),
+            sum(shard_lengths[host_id::num_hosts]))
+
   return Dataset(
+      train_files=train_files, num_train_files=len(shard_lengths),
       name=builder.name, input_shape=tuple(features["image"].shape),
       num_classes=features["label"].num_classes,
       num_train_examples=splits["train"].num_examples,
@@ -172,15 +187,15 @@ def _unit_weights(features, labels):
   return features, labels, tf.ones([size], tf.float32)
 
 
-def _example_stream(dataset, seed, start_example):
+def _example_stream(source, num_examples, seed, start_example):
   """Epoch after epoch, each shuffled with its own seed, from an example.
 
   Jumping to an epoch is free, so resuming costs at most one epoch of
   skipping however long the run already was.
   """
-  first_epoch, offset = divmod(start_example, dataset.num_train_examples)
-  base = dataset.train_source()
-  buffer = min(dataset.num_train_examples, SHUFFLE_BUFFER)
+  first_epoch, offset = divmod(start_example, num_examples)
+  base = source()
+  buffer = min(num_examples, SHUFFLE_BUFFER)
 
   def one_epoch(epoch):
     if seed is None:
@@ -195,17 +210,46 @@ def _example_stream(dataset, seed, start_example):
   return epochs.flat_map(one_epoch).skip(offset)
 
 
-def train_input_fn(dataset: Dataset, *, global_batch_size, seed, start_step=0):
+def resolve_sharding(dataset: Dataset, sharding, num_hosts):
+  """`batch` or `file` for --input_sharding=`sharding` on `num_hosts`."""
+  if sharding == "auto":
+    return "file" if num_hosts > 1 and (
+        dataset.num_train_files >= num_hosts) else "batch"
+  if sharding == "file" and dataset.num_train_files < num_hosts:
+    raise ConfigError(
+        f"--input_sharding=file gives each of the {num_hosts} hosts its own "
+        f"files, but {dataset.name} has {dataset.num_train_files} train "
+        "file(s). Use --input_sharding=batch (or auto). Received: "
+        f"input_sharding=file with {num_hosts} hosts")
+  return sharding
+
+
+def train_input_fn(dataset: Dataset, *, global_batch_size, seed, start_step=0,
+                   sharding="batch"):
   """Returns an input_fn for `distribute_datasets_from_function`.
 
-  Resuming at `start_step` skips the global batches already trained on, so a
-  restarted run sees the same data as an uninterrupted one. `seed=None`
-  gives each input pipeline its own order (asynchronous PS workers).
+  `batch`: every host reads the whole stream and keeps its slice of each
+  global batch, so global batch k is the same on any number of hosts.
+  `file`: each host reads only its own files (1/N of the bytes), in its own
+  shuffled epochs; a global batch depends on the host count.
+  Either way, resuming at `start_step` skips the batches already trained
+  on, so no example repeats within an epoch. `seed=None` gives each input
+  pipeline its own order (asynchronous PS workers).
   """
   def input_fn(context):
-    per_host = global_batch_size // context.num_input_pipelines
-    stream = _example_stream(dataset, seed, start_step * global_batch_size)
-    return _host_slice(stream, context, per_host, None)
+    hosts = context.num_input_pipelines
+    per_host = global_batch_size // hosts
+    if resolve_sharding(dataset, sharding, hosts) == "batch":
+      stream = _example_stream(dataset.train_source,
+                               dataset.num_train_examples, seed,
+                               start_step * global_batch_size)
+      return _host_slice(stream, context, per_host, None)
+    source, num_examples = dataset.train_files(hosts,
+                                               context.input_pipeline_id)
+    stream = _example_stream(source, num_examples, seed, start_step * per_host)
+    per_replica = context.get_per_replica_batch_size(global_batch_size)
+    return stream.batch(per_host, drop_remainder=True).rebatch(
+        per_replica).prefetch(tf.data.AUTOTUNE)
   return input_fn
 
 
@@ -253,13 +297,22 @@ class Inputs:
 
 
 def inputs_from_dataset(dataset: Dataset, *, global_batch_size,
-                        eval_steps_requested=0) -> Inputs:
+                        eval_steps_requested=0, sharding="batch",
+                        num_hosts=1) -> Inputs:
   """tfdist's own pipeline over unbatched examples."""
+  mode = resolve_sharding(dataset, sharding, num_hosts)
+  if num_hosts > 1:
+    logging.info("Input sharding: %s: %s.", mode, (
+        f"every host reads all {dataset.num_train_files or 'the'} train "
+        "file(s) and keeps its slice of each global batch"
+        if mode == "batch" else
+        f"each host reads only its own files, 1/{num_hosts} of "
+        f"{dataset.num_train_files}"))
   return Inputs(
       name=dataset.name,
       train_fn=lambda start_step, seed: train_input_fn(
           dataset, global_batch_size=global_batch_size, seed=seed,
-          start_step=start_step),
+          start_step=start_step, sharding=mode),
       eval_fn=lambda: eval_input_fn(dataset,
                                     global_batch_size=global_batch_size),
       eval_steps=eval_steps(dataset, global_batch_size=global_batch_size,

@@ -125,6 +125,12 @@ OPTIONS = (
        "name, or package.module:function returning (train, eval) datasets.",
        "task"),
     _o("data_dir", "~/tensorflow_datasets", "tfds data_dir.", "task"),
+    _enum("input_sharding", "batch", ("batch", "file", "auto"),
+          "How hosts split the training data. batch: every host reads all "
+          "of it and keeps 1/N of each global batch (the same batches on any "
+          "host count). file: each host reads only its own TFRecord files, "
+          "1/N of the bytes (tfds data). auto: file when there are at least "
+          "as many files as hosts.", "task"),
     _o("synthetic_shape", (8, 8, 1), "Input shape of --dataset=synthetic.",
        "task", "ints", above=0),
     _o("synthetic_classes", 10, "Classes of --dataset=synthetic.", "task",
