@@ -35,18 +35,19 @@ class PrivateNetwork:
                    capture_output=True)
 
 
-_PREFIX = "tfdist-"
+PREFIX = "tfdist-"  # Then the pid of the process that made it.
 
 
 def remove_stale():
-  """Deletes the namespaces of launchers that were SIGKILLed (and so could
-  not delete their own): tfdist-<pid> whose pid is gone."""
+  """Deletes the namespaces of launchers (and network labs) that were
+  SIGKILLed, and so could not delete their own: tfdist-<pid> and
+  tfdist-<pid>-* whose pid is gone."""
   listed = subprocess.run(["ip", "netns", "list"], capture_output=True,
                           text=True, check=False).stdout
   for line in listed.splitlines():
     name = line.split()[0] if line.split() else ""
-    pid = name[len(_PREFIX):]
-    if name.startswith(_PREFIX) and pid.isdigit() and not os.path.exists(
+    pid = name[len(PREFIX):].split("-")[0]
+    if name.startswith(PREFIX) and pid.isdigit() and not os.path.exists(
         f"/proc/{pid}"):
       subprocess.run(["ip", "netns", "del", name], check=False,
                      capture_output=True)
@@ -78,7 +79,7 @@ def open_for(mode, log):
     return None
   remove_stale()
   try:
-    network = PrivateNetwork(f"{_PREFIX}{os.getpid()}")
+    network = PrivateNetwork(f"{PREFIX}{os.getpid()}")
   except subprocess.CalledProcessError as e:
     if mode == "on":
       raise RuntimeError(f"--isolate=on: ip netns failed: "

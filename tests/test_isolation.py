@@ -85,14 +85,17 @@ def test_namespaces_of_killed_launchers_are_removed():
     pytest.skip("needs root and iproute2 for network namespaces")
   gone = subprocess.Popen([sys.executable, "-c", "pass"])
   gone.wait()
-  stale, live = f"tfdist-{gone.pid}", f"tfdist-{os.getpid()}"
-  for name in (stale, live):
+  # A launcher's, and a network lab's (tools.netlab).
+  stale = [f"tfdist-{gone.pid}", f"tfdist-{gone.pid}-lab-br"]
+  live = [f"tfdist-{os.getpid()}", f"tfdist-{os.getpid()}-lab-t0"]
+  for name in stale + live:
     subprocess.run(["ip", "netns", "add", name], check=True)
   try:
     isolation.remove_stale()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True,
                             text=True, check=True).stdout.split()
-    assert stale not in listed and live in listed
+    assert not set(stale) & set(listed)
+    assert set(live) <= set(listed)
   finally:
-    for name in (stale, live):
+    for name in stale + live:
       subprocess.run(["ip", "netns", "del", name], capture_output=True)
