@@ -212,15 +212,15 @@ class _Tap:
     pass
 
 
-def run_job(lab, *, workers, train_args, verbose=False):
+def run_job(lab, *, workers, train_args, verbose=False,
+            module="tfdist.train"):
   """Runs one MWMS job in the lab; returns the _Tap with its samples.
   Raises RuntimeError when the job fails."""
   cluster = description.ClusterDescription(workers=workers)
   addresses = {"worker": [f"{lab.address(k)}:{TASK_PORT}"
                           for k in range(workers)]}
   specs = description.task_commands(cluster, addresses=addresses,
-                                    module="tfdist.train",
-                                    train_args=train_args)
+                                    module=module, train_args=train_args)
   tasks = [dataclasses.replace(spec, argv=lab.wrap(k, spec.argv))
            for k, spec in enumerate(specs)]
   args = SimpleNamespace(cluster=cluster, max_restarts=0, backoff_seconds=1.0,
@@ -252,6 +252,47 @@ def measure(tap, *, link, workers, config, bytes_per_pack):
                 sent_per_step=[p[0] for p in per_step],
                 received_per_step=[p[1] for p in per_step],
                 accuracy=tap.accuracy, steps_measured=steps)
+
+
+_PROBE = re.compile(r"^worker:0 \| probe bytes=(\d+) seconds=([0-9.]+)")
+
+
+def probe(lab, *, workers, sizes, verbose=False):
+  """[(bytes, seconds)] of one ring all-reduce per size (tools.allreduce_probe)
+  on this lab's links."""
+  tap = run_job(lab, workers=workers, module="tools.allreduce_probe",
+                train_args=[f"--sizes={','.join(map(str, sizes))}"],
+                verbose=verbose)
+  return [(int(m.group(1)), float(m.group(2)))
+          for m in map(_PROBE.match, tap.lines) if m]
+
+
+_STEP_LINE = re.compile(r"train step (\d+)/\d+")
+
+
+def compute_seconds(*, model, batch_size, steps, log_every, data_dir,
+                    model_dir):
+  """Seconds per step of one process on one core (taskset), no all-reduce:
+  T_compute of the scaling model, at a worker's batch."""
+  argv = ["taskset", "-c", "0", sys.executable, "-m", "tfdist.train",
+          "--strategy=default", f"--model={model}", "--dataset=digits",
+          f"--data_dir={data_dir}", f"--model_dir={model_dir}",
+          f"--train_steps={steps}", f"--log_every={log_every}",
+          f"--steps_per_loop={log_every}", f"--batch_size={batch_size}",
+          "--eval_every=0", "--checkpoint_every=0", "--noexport"]
+  marks = []
+  with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True, env={**os.environ,
+                                        "PYTHONUNBUFFERED": "1"}) as proc:
+    for line in proc.stdout:
+      found = _STEP_LINE.search(line)
+      if found:
+        marks.append((time.monotonic(), int(found.group(1))))
+  if proc.returncode != 0 or len(marks) < 3:
+    raise RuntimeError(f"the one-core compute run failed (exit "
+                       f"{proc.returncode})")
+  (t0, s0), (t1, s1) = marks[1], marks[-1]
+  return (t1 - t0) / (s1 - s0)
 
 
 def train_args(*, model, steps, log_every, batch_size, data_dir, model_dir,
@@ -299,6 +340,10 @@ flags.DEFINE_integer("mtu", 1500, "MTU of the lab's veths.")
 flags.DEFINE_string("data_dir", "~/tensorflow_datasets", "tfds data_dir.")
 flags.DEFINE_string("json_out", "", "Also write the results here (JSON).")
 flags.DEFINE_bool("verbose", False, "Echo the jobs' output.")
+flags.DEFINE_list("probe_sizes", [], "Also time one all-reduce of each of "
+                  "these byte sizes on every link and worker count "
+                  "(tools.allreduce_probe), and each worker's compute alone "
+                  "on one core: the inputs of tools.scaling.")
 
 
 def _check_flags():
@@ -344,6 +389,14 @@ def main(argv):
     detail = getattr(e, "stderr", None) or str(e)
     print(f"tools.netlab: error: {detail}", file=sys.stderr)
     return 1
+  extra = {}
+  if FLAGS.probe_sizes:
+    try:
+      extra = _probe_all(workers_list, rates)
+    except KeyboardInterrupt:
+      print("tools.netlab: interrupted; every lab namespace was removed.",
+            file=sys.stderr)
+      return 130
   print(f"\nModel {FLAGS.model}, global batch {FLAGS.batch_size}, "
         f"{FLAGS.steps} steps per run, measured over the last "
         f"{results[0].steps_measured}.")
@@ -351,9 +404,41 @@ def main(argv):
   if FLAGS.json_out:
     with open(FLAGS.json_out, "w") as out:
       json.dump({"model": FLAGS.model, "batch_size": FLAGS.batch_size,
-                 "results": [dataclasses.asdict(r) for r in results]},
-                out, indent=1)
+                 "results": [dataclasses.asdict(r) for r in results],
+                 **extra}, out, indent=1)
   return 0
+
+
+def _probe_all(workers_list, rates):
+  """All-reduce times per link and worker count, and one-core compute
+  times per worker batch."""
+  sizes = [int(size) for size in FLAGS.probe_sizes]
+  points = []
+  for link, rate in rates:
+    for workers in workers_list:
+      signal.signal(signal.SIGTERM, _raise_on_sigterm)
+      with Lab(tasks=workers, rate_bits=rate, mtu=FLAGS.mtu) as lab:
+        measured = probe(lab, workers=workers, sizes=sizes,
+                         verbose=FLAGS.verbose)
+      signal.signal(signal.SIGINT, signal.default_int_handler)
+      for size, seconds in measured:
+        print(f"probe {link} {workers} workers: {size} bytes in "
+              f"{seconds * 1e3:.1f} ms", flush=True)
+        points.append({"link": link, "rate_bits": rate, "workers": workers,
+                       "bytes": size, "seconds": seconds})
+  compute = []
+  with tempfile.TemporaryDirectory(prefix="tfdist-netlab-") as scratch:
+    for workers in workers_list:
+      batch = FLAGS.batch_size // workers
+      seconds = compute_seconds(
+          model=FLAGS.model, batch_size=batch, steps=FLAGS.steps,
+          log_every=FLAGS.log_every, data_dir=FLAGS.data_dir,
+          model_dir=os.path.join(scratch, str(workers)))
+      print(f"compute alone on one core, batch {batch}: {seconds:.3f} "
+            "s/step", flush=True)
+      compute.append({"workers": workers, "batch": batch,
+                      "seconds_one_core": seconds})
+  return {"probe": points, "compute": compute, "cores": os.cpu_count()}
 
 
 def _run_all(workers_list, rates, configs, packs):

@@ -1,0 +1,268 @@
+"""A scaling model of synchronous data-parallel training, checked against
+the network lab, and projected to many workers.
+
+python -m tools.scaling --lab_json=docs/netlab.json [--plots=docs]
+
+Step time on N workers:
+  T(N) = T_compute + (1 - phi) * T_allreduce(N)
+  T_allreduce(N) = 2(N-1) * alpha * packs + 2(N-1)/N * S / B      (ring)
+S: bytes each worker all-reduces per step; packs: collectives per step
+(PowerSGD runs two; --bytes_per_pack splits one into several). phi: the
+share of the all-reduce hidden behind the backward pass. tfdist reduces
+all gradients after the backward pass (compression needs all of them),
+so for tfdist phi = 0.
+
+From the lab JSON (tools.netlab --probe_sizes=...):
+- alpha and B per link: a least-squares fit of the probe's all-reduce
+  times over sizes and worker counts;
+- T_compute per worker count: the lab's PowerSGD run on the fastest link,
+  less its modelled all-reduce (that row is the calibration, marked so;
+  every other row is a prediction). A one-process run is also shown: on a
+  2-core VM it misses the cost two synchronised workers add.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import sys
+from typing import Dict, List, Sequence, Tuple
+
+PHI_TFDIST = 0.0
+PROJECTED_WORKERS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def ring_allreduce_seconds(workers, size_bytes, *, alpha, bandwidth,
+                           packs=1):
+  """Seconds of one step's ring all-reduces of `size_bytes` in `packs`."""
+  if workers <= 1:
+    return 0.0
+  return (2 * (workers - 1) * alpha * packs
+          + 2 * (workers - 1) / workers * size_bytes / bandwidth)
+
+
+def step_seconds(workers, *, compute, size_bytes, alpha, bandwidth, phi=0.0,
+                 packs=1):
+  return compute + (1 - phi) * ring_allreduce_seconds(
+      workers, size_bytes, alpha=alpha, bandwidth=bandwidth, packs=packs)
+
+
+def efficiency(workers, **model):
+  """Weak-scaling efficiency: one worker's step time over N workers'."""
+  return model["compute"] / step_seconds(workers, **model)
+
+
+def fit_alpha_bandwidth(points: Sequence[Tuple[int, float, float]]):
+  """(alpha seconds, B bytes/s) from [(workers, bytes, seconds)] of single
+  all-reduces: least squares of t = 2(N-1) alpha + 2(N-1)/N S / B."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rows = np.array([[2 * (n - 1), 2 * (n - 1) / n * s] for n, s, _ in points])
+  times = np.array([t for _, _, t in points])
+  (alpha, inverse_bandwidth), *_ = np.linalg.lstsq(rows, times, rcond=None)
+  return max(float(alpha), 0.0), 1.0 / float(inverse_bandwidth)
+
+
+@dataclasses.dataclass(frozen=True)
+class Payload:
+  """What one worker all-reduces per step under one compression."""
+
+  size_bytes: float
+  packs: int
+
+
+def payloads(shapes, *, rank=4, bytes_per_pack=0) -> Dict[str, Payload]:
+  """float32, float16 and PowerSGD payloads of a model's gradient shapes."""
+  from tfdist import compression  # pylint: disable=g-import-not-at-top
+  elements = sum(math.prod(shape) for shape in shapes)
+  sent, _ = compression.wire_elements(shapes, rank)
+
+  def packs(size):
+    return max(1, math.ceil(size / bytes_per_pack)) if bytes_per_pack else 1
+  return {"float32": Payload(4 * elements, packs(4 * elements)),
+          "float16": Payload(2 * elements, packs(2 * elements)),
+          f"powersgd:{rank}": Payload(4 * sent, 2 * packs(4 * sent / 2))}
+
+
+def config_payload(config, shapes, bytes_per_pack):
+  name, _, rank = config.partition(":")
+  if name == "powersgd":
+    return payloads(shapes, rank=int(rank or 4),
+                    bytes_per_pack=bytes_per_pack)[f"powersgd:{rank or 4}"]
+  return payloads(shapes, bytes_per_pack=bytes_per_pack)[name]
+
+
+def model_shapes(model, input_shape=(8, 8, 1), num_classes=10):
+  from tfdist import quiet  # pylint: disable=g-import-not-at-top
+  with quiet.native_stderr_captured():
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import models  # pylint: disable=g-import-not-at-top
+    built = models.build(model, input_shape=input_shape,
+                         num_classes=num_classes)
+    built(tf.zeros([1, *input_shape]))
+  return [tuple(w.shape) for w in built.trainable_weights]
+
+
+@dataclasses.dataclass
+class Check:
+  link: str
+  workers: int
+  config: str
+  bytes_per_pack: int
+  measured: float
+  predicted: float
+  calibration: bool
+
+  @property
+  def error(self):
+    return self.predicted / self.measured - 1
+
+
+def check_lab(lab, shapes) -> Tuple[List[Check], dict, dict]:
+  """Predicted against measured step time for every lab run; returns the
+  checks, the fit per link and T_compute per worker count."""
+  fits = {}
+  for link in sorted({p["link"] for p in lab["probe"]}):
+    fits[link] = fit_alpha_bandwidth(
+        [(p["workers"], p["bytes"], p["seconds"]) for p in lab["probe"]
+         if p["link"] == link])
+  rates = {p["link"]: p["rate_bits"] for p in lab["probe"]}
+  fastest = max(rates, key=rates.get)
+  compute = {}
+  for run in lab["results"]:
+    if run["link"] == fastest and run["config"].startswith("powersgd") and (
+        run["bytes_per_pack"] == 0):
+      alpha, bandwidth = fits[fastest]
+      payload = config_payload(run["config"], shapes, 0)
+      compute[run["workers"]] = run["seconds_per_step"] - (
+          ring_allreduce_seconds(run["workers"], payload.size_bytes,
+                                 alpha=alpha, bandwidth=bandwidth,
+                                 packs=payload.packs))
+  checks = []
+  for run in lab["results"]:
+    alpha, bandwidth = fits[run["link"]]
+    payload = config_payload(run["config"], shapes, run["bytes_per_pack"])
+    predicted = step_seconds(
+        run["workers"], compute=compute[run["workers"]],
+        size_bytes=payload.size_bytes, alpha=alpha, bandwidth=bandwidth,
+        phi=PHI_TFDIST, packs=payload.packs)
+    checks.append(Check(
+        run["link"], run["workers"], run["config"], run["bytes_per_pack"],
+        run["seconds_per_step"], predicted,
+        calibration=(run["link"] == fastest
+                     and run["config"].startswith("powersgd")
+                     and run["bytes_per_pack"] == 0)))
+  return checks, fits, compute
+
+
+def _plot_checks(checks, path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(5.5, 5))
+  for check in checks:
+    marker = "s" if check.calibration else "o"
+    ax.scatter(check.measured, check.predicted, marker=marker)
+    ax.annotate(f"{check.link} {check.workers}w {check.config}",
+                (check.measured, check.predicted), fontsize=6)
+  top = max(max(c.measured, c.predicted) for c in checks) * 1.1
+  ax.plot([0, top], [0, top], "k--", linewidth=0.8)
+  ax.fill_between([0, top], [0, top * 0.85], [0, top * 1.15], alpha=0.1)
+  ax.set_xlabel("measured s/step (lab)")
+  ax.set_ylabel("predicted s/step (ring model)")
+  ax.set_title("Lab step time: predicted vs measured (band: 15%)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _plot_projection(curves, title, path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for label, values in curves.items():
+    ax.plot(PROJECTED_WORKERS, [100 * v for v in values], marker="o",
+            label=label)
+  ax.axhline(90, color="k", linestyle=":", linewidth=0.8)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("workers")
+  ax.set_ylabel("projected efficiency (%)")
+  ax.set_ylim(0, 101)
+  ax.set_title(title)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def project(models_compute, fit, *, phi=PHI_TFDIST):
+  """{label: [efficiency at each PROJECTED_WORKERS]} for each model and
+  compression; models_compute: {model: (shapes, T_compute seconds)}."""
+  alpha, bandwidth = fit
+  curves = {}
+  for model, (shapes, compute) in models_compute.items():
+    for name, payload in payloads(shapes).items():
+      curves[f"{model} {name}"] = [
+          efficiency(n, compute=compute, size_bytes=payload.size_bytes,
+                     alpha=alpha, bandwidth=bandwidth, phi=phi,
+                     packs=payload.packs) for n in PROJECTED_WORKERS]
+  return curves
+
+
+def main(argv):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags_ = flags.FLAGS
+  with open(flags_.lab_json) as source:
+    lab = json.load(source)
+  shapes = model_shapes(lab["model"])
+  checks, fits, compute = check_lab(lab, shapes)
+  print("Ring-model fit per lab link (tools.allreduce_probe sizes):")
+  for link, (alpha, bandwidth) in fits.items():
+    print(f"  {link}: alpha {alpha * 1e3:.2f} ms, B {bandwidth * 8 / 1e9:.3f} "
+          "Gbit/s")
+  for n, seconds in sorted(compute.items()):
+    one_core = [c["seconds_one_core"] for c in lab["compute"]
+                if c["workers"] == n]
+    print(f"  T_compute at {n} workers: {seconds:.3f} s/step (one process "
+          f"on one core: {one_core[0]:.3f})" if one_core else "")
+  print("\n| link | workers | all-reduce | bytes_per_pack | measured s/step "
+        "| predicted s/step | error |")
+  print("|---|---:|---|---:|---:|---:|---:|")
+  for c in checks:
+    note = " (calibration)" if c.calibration else ""
+    print(f"| {c.link} | {c.workers} | {c.config} | {c.bytes_per_pack} | "
+          f"{c.measured:.3f} | {c.predicted:.3f} | {100 * c.error:+.1f}%"
+          f"{note} |")
+  worst = max(abs(c.error) for c in checks if not c.calibration)
+  print(f"\nLargest prediction error: {100 * worst:.1f}%. phi = "
+        f"{PHI_TFDIST} (tfdist reduces after the whole backward pass).")
+  fastest = max(fits, key=lambda link: fits[link][1])
+  per_worker = lab["batch_size"] // min(compute)
+  models_compute = {lab["model"]: (shapes, compute[min(compute)])}
+  curves = project(models_compute, fits[fastest])
+  print(f"\nProjected efficiency on links like the lab's {fastest} "
+        f"(per-worker batch {per_worker}, T_compute from the lab):")
+  print("| model, all-reduce | " + " | ".join(map(str, PROJECTED_WORKERS))
+        + " |")
+  print("|---|" + "---:|" * len(PROJECTED_WORKERS))
+  for label, values in curves.items():
+    print(f"| {label} | " + " | ".join(f"{100 * v:.0f}%" for v in values)
+          + " |")
+  if flags_.plots:
+    os.makedirs(flags_.plots, exist_ok=True)
+    _plot_checks(checks, os.path.join(flags_.plots, "scaling_check.png"))
+    _plot_projection(curves, f"{lab['model']}: projected efficiency, "
+                     f"links like the lab's {fastest}",
+                     os.path.join(flags_.plots, "scaling_projection.png"))
+    print(f"\nPlots: {flags_.plots}/scaling_check.png, "
+          f"{flags_.plots}/scaling_projection.png")
+  return 0
+
+
+if __name__ == "__main__":
+  from absl import app, flags as absl_flags  # pylint: disable=g-import-not-at-top,g-multiple-import
+  absl_flags.DEFINE_string("lab_json", "docs/netlab.json",
+                           "tools.netlab --json_out with --probe_sizes.")
+  absl_flags.DEFINE_string("plots", "docs", "Write the PNG plots here; "
+                           "empty: none.")
+  app.run(lambda argv: sys.exit(main(argv)))
