@@ -84,8 +84,8 @@ def test_lab_check_is_exact_on_data_made_by_the_model():
   assert [c.calibration for c in checks].count(True) == 2
   for check in checks:
     assert abs(check.error) < 1e-6, check
-  for link in fits:
-    assert fitted[link] == pytest.approx(fits[link], rel=1e-6)
+  for (link, n), fit in fitted.items():
+    assert fit == pytest.approx(fits[link], rel=1e-6), (link, n)
 
 
 def test_powersgd_payload_is_two_collectives_of_the_factors():
