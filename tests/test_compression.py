@@ -3,6 +3,7 @@ full rank gives the plain sum, error feedback keeps what is not sent, and
 the element counts that set the bytes on the wire."""
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -157,7 +158,7 @@ def test_powersgd_run_starts_where_asked_and_keeps_accuracy(tmp_path,
   is the float32 run exactly; after it, PowerSGD rank 4 ends within 1 point
   of float32's accuracy, and its buffers stay out of the checkpoint."""
   common = [f"--data_dir={data_dir}", "--strategy=mirrored",
-            "--num_cpu_devices=2", "--model=mlp", "--train_steps=300",
+            "--num_cpu_devices=2", "--model=mlp", "--train_steps=200",
             "--batch_size=64", "--steps_per_loop=30", "--checkpoint_every=45",
             "--keep_checkpoints=10", "--eval_every=0", "--seed=3",
             "--noexport"]
@@ -207,3 +208,30 @@ def test_powersgd_rank4_accuracy_within_a_point(model, flags, steps, learned,
   print(model, accuracy)
   assert accuracy["float32"] > learned
   assert abs(accuracy["powersgd"] - accuracy["float32"]) <= 0.01, accuracy
+
+
+@pytest.mark.parametrize("strategy", ["parameter_server", "tpu"])
+def test_powersgd_needs_a_synchronous_all_reduce(strategy):
+  from tfdist import config as config_lib
+  from tfdist import preflight
+  from tfdist import strategies
+  from tfdist.errors import ConfigError
+  config = config_lib.Config(model_dir="unused", strategy=strategy,
+                             allreduce_compression="powersgd")
+  info = strategies.StrategyInfo(
+      strategy=types.SimpleNamespace(num_replicas_in_sync=2), name=strategy,
+      reason="test")
+  with pytest.raises(ConfigError, match=(
+      "--allreduce_compression=powersgd replaces the synchronous gradient "
+      f"all-reduce of mirrored and multi_worker_mirrored. Received: "
+      f"strategy={strategy}")):
+    preflight.check_run(config, info, ["/cpu:0"])
+
+
+def test_powersgd_refuses_loss_scaled_float16():
+  from tfdist import config as config_lib
+  from tfdist.errors import ConfigError
+  with pytest.raises(ConfigError, match="Received: allreduce_compression="
+                     "powersgd with mixed_precision=mixed_float16"):
+    config_lib.Config(model_dir="unused", allreduce_compression="powersgd",
+                      mixed_precision="mixed_float16")

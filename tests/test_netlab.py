@@ -60,7 +60,7 @@ def test_float32_and_powersgd_bytes_per_step(tmp_path, data_dir):
   before = _lab_namespaces()
   proc = subprocess.run(
       _netlab("--workers=2", "--links=1gbit", "--configs=float32,powersgd:4",
-              "--model=mlp_wide", "--steps=30", "--log_every=10",
+              "--model=mlp_wide", "--steps=24", "--log_every=8",
               f"--data_dir={data_dir}", f"--json_out={out}"),
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -16,6 +16,7 @@ import pytest
 import artifacts
 from conftest import ROOT
 from conftest import LauncherProcess
+from conftest import long_test
 from conftest import process_alive
 
 pytest.importorskip("ray", reason="needs the ray extra: pip install "
@@ -57,6 +58,8 @@ def _assert_nothing_left(output, daemons_before):
 
 
 def test_multi_worker_job_survives_a_killed_actor(netns, tmp_path, data_dir):
+  # The restart policy is launch.core's, tested with scripted tasks in CI.
+  long_test("about 50 s")
   daemons = _ray_daemons()
   model_dir = str(tmp_path / "run")
   run = _launch(netns, ["--workers=2", "--max_restarts=2",

@@ -27,6 +27,13 @@ def _validate(config):
       raise ConfigError(
           "profile_steps must be START,END with 0 <= START < END. Received: "
           f"profile_steps={','.join(map(str, config.profile_steps))}")
+  if (config.allreduce_compression == "powersgd"
+      and config.mixed_precision == "mixed_float16"):
+    raise ConfigError("--allreduce_compression=powersgd keeps error buffers "
+                      "of the gradients, and one loss-scale overflow would "
+                      "put Inf into them for good; use mixed_bfloat16 or no "
+                      "mixed precision. Received: allreduce_compression="
+                      "powersgd with mixed_precision=mixed_float16")
   if config.clip_norm and config.mixed_precision == "mixed_float16":
     raise ConfigError("--clip_norm would clip loss-scaled float16 "
                       "gradients; use mixed_bfloat16 or no clipping. "

@@ -80,6 +80,12 @@ class Lab:
   context manager that removes all of it."""
 
   def __init__(self, *, tasks, rate_bits, mtu=1500):
+    if not 1 <= tasks <= 250:
+      raise ValueError(f"tasks must be 1 to 250 (one /24 of addresses). "
+                       f"Received: tasks={tasks}")
+    if not rate_bits > 0:
+      raise ValueError(f"rate_bits must be > 0. Received: "
+                       f"rate_bits={rate_bits}")
     self.tasks = tasks
     self.rate_bits = rate_bits
     self.mtu = mtu
