@@ -185,14 +185,13 @@ def test_powersgd_run_starts_where_asked_and_keeps_accuracy(tmp_path,
 
 @pytest.mark.parametrize("model,flags,steps,learned", [
     ("mlp_wide", ["--dataset=digits"], 300, 0.9),
-    ("resnet20", ["--dataset=synthetic", "--synthetic_shape=32,32,3"], 300,
-     0.3),
 ])
 def test_powersgd_rank4_accuracy_within_a_point(model, flags, steps, learned,
                                                 tmp_path, data_dir):
   """The issue's accuracy bar, on 2 mirrored replicas: rank 4 ends within 1
-  point of float32. (Synthetic labels are random: resnet20 must memorise
-  them, which it does well above chance in 300 steps.)"""
+  point of float32. (resnet20 on CIFAR-shaped data is not here: on 2 CPUs
+  150 steps took 3.5 minutes a run and float32 itself stayed at chance on
+  eval.)"""
   long_test("two runs of a wide model; minutes on 2 CPUs")
   accuracy = {}
   for name, extra in (("float32", []),

@@ -155,7 +155,7 @@ def build_trainer(config, info, task, *, write_dir):
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                               name="global_step")
     reducer = compression.create(config, model.trainable_variables)
-  if info.num_replicas > 1 and not info.coordinator:
+  if config.allreduce_compression != "none" and info.num_replicas > 1:
     logging.info("%s.", reducer.describe())
   check_model_fits_data(task, model, sample)
   metrics = compiled_loops.Metrics(task.metrics())

@@ -194,7 +194,7 @@ class LoopFunctions:
     return loss, grads, states
 
   @_PLAIN
-  def _train_step(self, batch, state, index, compressed=True):
+  def _train_step(self, batch, state, index, compressed=False):
     features, labels = batch
     if self._accum > 1:
       loss, grads, metric_states = self._accumulated(features, labels,

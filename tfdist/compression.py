@@ -57,9 +57,6 @@ class PlainReducer:
   def __init__(self, *, dtype="float32"):
     self._wire = tf.as_dtype(dtype)
 
-  def describe(self):
-    return f"gradients all-reduced in {self._wire.name}"
-
   def reduce(self, grads, compressed=False):  # pylint: disable=unused-argument
     """Call in a replica context; None gradients stay None."""
     context = tf.distribute.get_replica_context()

@@ -36,9 +36,9 @@ from typing import List, Optional
 from absl import app
 from absl import flags
 
-from launch import core
-from launch import description
-from launch import isolation
+from tfdist.launch import core
+from tfdist.launch import description
+from tfdist.launch import isolation
 
 # RFC 2544's benchmarking range; the lab never uses any other address.
 BENCHMARK_RANGE = ipaddress.ip_network("198.18.0.0/15")

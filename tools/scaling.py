@@ -97,7 +97,7 @@ def model_shapes(model, input_shape=(8, 8, 1), num_classes=10):
   from tfdist import quiet  # pylint: disable=g-import-not-at-top
   with quiet.native_stderr_captured():
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    import models  # pylint: disable=g-import-not-at-top
+    from tfdist import models  # pylint: disable=g-import-not-at-top
     built = models.build(model, input_shape=input_shape,
                          num_classes=num_classes)
     built(tf.zeros([1, *input_shape]))
@@ -186,16 +186,21 @@ def _plot_projection(projections, model, path):
   fig, axes = plt.subplots(1, len(projections), figsize=(11, 4.2),
                            sharey=True, squeeze=False)
   for ax, (title, curves) in zip(axes[0], projections.items()):
+    styles = {"float32": "-", "float16": "--"}
+    colours = {}
     for label, values in curves.items():
-      ax.plot(PROJECTED_WORKERS, [100 * v for v in values], marker="o",
+      model, compression_name = label.rsplit(" ", 1)
+      colour = colours.setdefault(model, f"C{len(colours)}")
+      ax.plot(PROJECTED_WORKERS, [100 * v for v in values], marker=".",
+              color=colour, linestyle=styles.get(compression_name, ":"),
               label=label)
     ax.axhline(90, color="k", linestyle=":", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("workers")
     ax.set_ylim(0, 101)
     ax.set_title(title, fontsize=8)
-    ax.legend(fontsize=7)
-  axes[0][0].set_ylabel(f"{model}: projected efficiency (%)")
+    ax.legend(fontsize=6)
+  axes[0][0].set_ylabel(f"projected efficiency (%), lab model {model}")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -213,6 +218,29 @@ def project(models_compute, fit, *, phi=PHI_TFDIST):
                      alpha=alpha, bandwidth=bandwidth, phi=phi,
                      packs=payload.packs) for n in PROJECTED_WORKERS]
   return curves
+
+
+def _other_models(lab, lab_compute, per_worker, names):
+  """{model: (shapes, T_compute)} for other zoo models: their one-core
+  step time, scaled by the lab model's lab/one-core ratio (the cost two
+  synchronised workers add on this host)."""
+  if not names:
+    return {}
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from tfdist.tools import netlab  # pylint: disable=g-import-not-at-top
+  one_core = [c["seconds_one_core"] for c in lab["compute"]
+              if c["batch"] == per_worker][0]
+  found = {}
+  with tempfile.TemporaryDirectory(prefix="tfdist-scaling-") as scratch:
+    for name in names:
+      seconds = netlab.compute_seconds(
+          model=name, batch_size=per_worker, steps=40, log_every=10,
+          data_dir="~/tensorflow_datasets",
+          model_dir=os.path.join(scratch, name))
+      found[name] = (model_shapes(name), seconds * lab_compute / one_core)
+      print(f"  {name}: one core {seconds:.3f} s/step at batch {per_worker}"
+            f" -> T_compute {found[name][1]:.3f} s", flush=True)
+  return found
 
 
 def main(argv):
@@ -245,6 +273,8 @@ def main(argv):
         f"{PHI_TFDIST} (tfdist reduces after the whole backward pass).")
   per_worker = lab["batch_size"] // min(compute)
   models_compute = {lab["model"]: (shapes, compute[min(compute)])}
+  models_compute.update(_other_models(lab, compute[min(compute)],
+                                      per_worker, flags_.models))
   rates = {p["link"]: p["rate_bits"] for p in lab["probe"]}
   fastest = max(rates, key=rates.get)
   settings = {
@@ -280,4 +310,6 @@ if __name__ == "__main__":
                            "tools.netlab --json_out with --probe_sizes.")
   absl_flags.DEFINE_string("plots", "docs", "Write the PNG plots here; "
                            "empty: none.")
+  absl_flags.DEFINE_list("models", [], "Also project these zoo models "
+                         "(digits input), timing each on one core.")
   app.run(lambda argv: sys.exit(main(argv)))
