@@ -1,6 +1,8 @@
 """In-process unit tests: config validation, auto strategy choice, the
 global-batch invariant of the input pipeline, and the model zoo."""
 
+import types
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -9,6 +11,7 @@ from tfdist import models
 from tfdist import cluster
 from tfdist import config as config_lib
 from tfdist import data
+from tfdist import preflight
 from tfdist import strategies
 from tfdist.errors import ConfigError
 
@@ -125,3 +128,30 @@ def test_models_build_and_predict(name):
 def test_unknown_model_lists_valid_names():
   with pytest.raises(ConfigError, match="Valid: mlp, mlp_wide, cnn"):
     models.build("nope", input_shape=(8, 8, 1), num_classes=10)
+
+
+@pytest.mark.parametrize("replicas,workers,devices,expected", [
+    (1, 1, ["/device:CPU:0"], "step"),
+    # MWMS on CPUs: XLA has no CPU collectives, so the all-reduce stays
+    # outside the compiled forward and backward (it used to crash).
+    (2, 2, ["/device:CPU:0"], "forward"),
+    (2, 2, ["/device:GPU:0"], "step"),
+    (4, 1, ["/device:GPU:0", "/device:GPU:1"], "forward"),
+])
+def test_jit_mode_keeps_cpu_collectives_out_of_xla(replicas, workers,
+                                                   devices, expected):
+  info = strategies.StrategyInfo(
+      strategy=types.SimpleNamespace(num_replicas_in_sync=replicas),
+      name="multi_worker_mirrored", reason="test", num_workers=workers)
+  config = config_lib.Config(model_dir="unused", jit_compile=True)
+  assert preflight.jit_mode(config, info, devices) == expected
+
+
+def test_jit_mode_refuses_several_logical_cpus():
+  info = strategies.StrategyInfo(
+      strategy=types.SimpleNamespace(num_replicas_in_sync=2),
+      name="mirrored", reason="test")
+  config = config_lib.Config(model_dir="unused", jit_compile=True)
+  with pytest.raises(ConfigError, match="Received: jit_compile=True with 2 "
+                     "local CPU replicas"):
+    preflight.jit_mode(config, info, ["/device:CPU:0", "/device:CPU:1"])

@@ -169,9 +169,10 @@ OPTIONS = (
     _o("log_every", 50, "Print a progress line every N steps.", "loop",
        above=0),
     _o("jit_compile", False, "XLA-compile the train step: the whole step "
-       "with the optimizer update when a process has one replica (measured "
-       "faster on CPU, see the README benchmark); forward and backward only "
-       "with several replicas (GPUs; not over logical CPUs).", "loop"),
+       "with the optimizer update when the run has one replica or one GPU "
+       "per process (measured faster on CPU, see the README benchmark); "
+       "forward and backward only otherwise (XLA has no CPU collectives; "
+       "not over several logical CPUs in one process).", "loop"),
     _o("check_replicas_every", 0, "Every N steps, check that all replicas "
        "hold identical weights; 0: never.", "loop", minimum=0),
     # output

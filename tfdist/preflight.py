@@ -23,14 +23,17 @@ def jit_mode(config, info, local_devices):
   if not config.jit_compile:
     return "none"
   replicas = info.num_replicas // max(info.num_workers, 1)
-  if info.coordinator is None and replicas <= 1:
+  on_gpu = bool(local_devices) and "GPU" in local_devices[0].upper()
+  # XLA has no CPU collectives: with replicas in other processes the
+  # all-reduce must stay outside the compiled step.
+  if info.coordinator is None and replicas <= 1 and (
+      info.num_replicas <= 1 or on_gpu):
     return "step"
-  if info.coordinator is None and len(local_devices) > 1 and (
-      "GPU" not in local_devices[0].upper()):
+  if info.coordinator is None and replicas > 1 and not on_gpu:
     raise ConfigError(
         "--jit_compile needs one device per process or GPUs: XLA places all "
         "logical CPU devices on CPU:0. Received: jit_compile=True with "
-        f"{len(local_devices)} local CPU replicas")
+        f"{replicas} local CPU replicas")
   return "forward"
 
 
