@@ -189,8 +189,8 @@ def _plot_projection(projections, model, path):
     styles = {"float32": "-", "float16": "--"}
     colours = {}
     for label, values in curves.items():
-      model, compression_name = label.rsplit(" ", 1)
-      colour = colours.setdefault(model, f"C{len(colours)}")
+      curve_model, compression_name = label.rsplit(" ", 1)
+      colour = colours.setdefault(curve_model, f"C{len(colours)}")
       ax.plot(PROJECTED_WORKERS, [100 * v for v in values], marker=".",
               color=colour, linestyle=styles.get(compression_name, ":"),
               label=label)
