@@ -18,6 +18,7 @@ and received on its link, taken between the chief's progress lines after
 the first (which holds tracing) and the last.
 """
 
+import contextlib
 import dataclasses
 import ipaddress
 import json
@@ -181,7 +182,8 @@ class Result:
   steps_measured: int
 
 
-_PROGRESS = re.compile(r"^worker:0 \| .*train step (\d+)/\d+")
+_STEP = re.compile(r"train step (\d+)/\d+")  # tfdist.train's progress.
+_PROGRESS = re.compile(r"^worker:0 \| .*" + _STEP.pattern)
 _FINISHED = re.compile(r"^worker:0 \| Finished at step .*eval accuracy "
                        r"([0-9.]+)")
 
@@ -241,14 +243,17 @@ def run_job(lab, *, workers, train_args, verbose=False,
   return tap
 
 
-def measure(tap, *, link, workers, config, bytes_per_pack):
-  """Per-step figures between the first and the last progress line but
-  the first interval (tracing)."""
-  samples = tap.samples[1:]
-  if len(samples) < 2:
+def _steady(samples):
+  """The second and the last sample: the first interval holds tracing."""
+  if len(samples) < 3:
     raise RuntimeError("too few progress lines to measure: raise --steps "
                        "or lower --log_every")
-  first, last = samples[0], samples[-1]
+  return samples[1], samples[-1]
+
+
+def measure(tap, *, link, workers, config, bytes_per_pack):
+  """Per-step figures between progress lines, but the first interval."""
+  first, last = _steady(tap.samples)
   steps = last.step - first.step
   per_step = [[(b - a) / steps for a, b in zip(start, end)]
               for start, end in zip(first.counters, last.counters)]
@@ -266,14 +271,14 @@ _PROBE = re.compile(r"^worker:0 \| probe bytes=(\d+) seconds=([0-9.]+)")
 def probe(lab, *, workers, sizes, verbose=False):
   """[(bytes, seconds)] of one ring all-reduce per size (tools.allreduce_probe)
   on this lab's links."""
-  tap = run_job(lab, workers=workers, module="tools.allreduce_probe",
+  # tools.allreduce_probe in a checkout, tfdist.tools.allreduce_probe
+  # installed.
+  tap = run_job(lab, workers=workers,
+                module=f"{__package__}.allreduce_probe",
                 train_args=[f"--sizes={','.join(map(str, sizes))}"],
                 verbose=verbose)
   return [(int(m.group(1)), float(m.group(2)))
           for m in map(_PROBE.match, tap.lines) if m]
-
-
-_STEP_LINE = re.compile(r"train step (\d+)/\d+")
 
 
 def compute_seconds(*, model, batch_size, steps, log_every, data_dir,
@@ -286,30 +291,30 @@ def compute_seconds(*, model, batch_size, steps, log_every, data_dir,
           f"--train_steps={steps}", f"--log_every={log_every}",
           f"--steps_per_loop={log_every}", f"--batch_size={batch_size}",
           "--eval_every=0", "--checkpoint_every=0", "--noexport"]
-  marks = []
+  samples = []
   with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                         text=True, env={**os.environ,
                                         "PYTHONUNBUFFERED": "1"}) as proc:
     for line in proc.stdout:
-      found = _STEP_LINE.search(line)
+      found = _STEP.search(line)
       if found:
-        marks.append((time.monotonic(), int(found.group(1))))
-  if proc.returncode != 0 or len(marks) < 3:
-    raise RuntimeError(f"the one-core compute run failed (exit "
-                       f"{proc.returncode})")
-  (t0, s0), (t1, s1) = marks[1], marks[-1]
-  return (t1 - t0) / (s1 - s0)
+        samples.append(Sample(time.monotonic(), int(found.group(1)), []))
+  if proc.returncode != 0:
+    raise RuntimeError(f"the one-core compute run of {model} exited "
+                       f"{proc.returncode}")
+  first, last = _steady(samples)
+  return (last.seconds - first.seconds) / (last.step - first.step)
 
 
 def train_args(*, model, steps, log_every, batch_size, data_dir, model_dir,
-               config_flags, bytes_per_pack, extra=()):
+               config_flags, bytes_per_pack):
   return ["--strategy=multi_worker_mirrored", f"--model={model}",
           "--dataset=digits", f"--data_dir={data_dir}",
           f"--model_dir={model_dir}", f"--train_steps={steps}",
           f"--log_every={log_every}", f"--steps_per_loop={log_every}",
           f"--batch_size={batch_size}", "--eval_every=0",
           "--checkpoint_every=0", "--noexport", "--all_reduce_alg=ring",
-          f"--bytes_per_pack={bytes_per_pack}", *config_flags, *extra]
+          f"--bytes_per_pack={bytes_per_pack}", *config_flags]
 
 
 def table(results):
@@ -371,6 +376,18 @@ def _raise_on_sigterm(signum, frame):
   raise KeyboardInterrupt(f"signal {signum}")
 
 
+@contextlib.contextmanager
+def _lab_session(workers, rate):
+  """A Lab, with SIGTERM as Ctrl-C around it; launch.core takes the
+  signals over while a job runs, and Ctrl-C is taken back after."""
+  signal.signal(signal.SIGTERM, _raise_on_sigterm)
+  try:
+    with Lab(tasks=workers, rate_bits=rate, mtu=FLAGS.mtu) as lab:
+      yield lab
+  finally:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv):
   del argv
   if os.geteuid() != 0 or not shutil.which("tc"):
@@ -422,11 +439,9 @@ def _probe_all(workers_list, rates):
   points = []
   for link, rate in rates:
     for workers in workers_list:
-      signal.signal(signal.SIGTERM, _raise_on_sigterm)
-      with Lab(tasks=workers, rate_bits=rate, mtu=FLAGS.mtu) as lab:
+      with _lab_session(workers, rate) as lab:
         measured = probe(lab, workers=workers, sizes=sizes,
                          verbose=FLAGS.verbose)
-      signal.signal(signal.SIGINT, signal.default_int_handler)
       for size, seconds in measured:
         print(f"probe {link} {workers} workers: {size} bytes in "
               f"{seconds * 1e3:.1f} ms", flush=True)
@@ -454,8 +469,7 @@ def _run_all(workers_list, rates, configs, packs):
       for workers in workers_list:
         for pack in packs:
           for name, config_flags in configs:
-            signal.signal(signal.SIGTERM, _raise_on_sigterm)
-            with Lab(tasks=workers, rate_bits=rate, mtu=FLAGS.mtu) as lab:
+            with _lab_session(workers, rate) as lab:
               tap = run_job(lab, workers=workers, verbose=FLAGS.verbose,
                             train_args=train_args(
                                 model=FLAGS.model, steps=FLAGS.steps,
@@ -466,8 +480,6 @@ def _run_all(workers_list, rates, configs, packs):
                                                        str(len(results))),
                                 config_flags=config_flags,
                                 bytes_per_pack=pack))
-            # launch.core took the signals over for the job; take them back.
-            signal.signal(signal.SIGINT, signal.default_int_handler)
             results.append(measure(tap, link=link, workers=workers,
                                    config=name, bytes_per_pack=pack))
             r = results[-1]
