@@ -243,7 +243,7 @@ class LoopFunctions:
       return False, None
     return step >= start, (start if step < start else None)
 
-  def train_steps(self, iterator, num_steps, compressed=False):
+  def train_steps(self, iterator, num_steps, compressed):
     """`num_steps` replica steps; returns the packed, reduced sums.
     `compressed` (a Python bool, so a second trace) picks the reducer's
     compressed all-reduce."""

@@ -142,7 +142,9 @@ class ParameterServerRunner:
     self._guard = None
     # The PS-only loop variants: train calls do not count their steps (the
     # coordinator does), and eval runs here without strategy.run.
-    self._train = tf.function(loops.train_steps)
+    # Two tensor arguments only: the coordinator's remote functions do not
+    # keep Python defaults. PS has no compressed all-reduce.
+    self._train = tf.function(self._plain_train_steps)
     self._local_eval = tf.function(self._local_eval_steps)
 
   def watch_preemption(self, *, save_fn, step_fn):
@@ -180,6 +182,9 @@ class ParameterServerRunner:
       self._guard.save_and_exit_if_signalled()
     return combine(self._loops.unpack_train(vector, size)
                    for vector, size in results)
+
+  def _plain_train_steps(self, iterator, num_steps):
+    return self._loops.train_steps(iterator, num_steps, compressed=False)
 
   def _local_eval_steps(self, iterator, num_steps):
     loops = self._loops
