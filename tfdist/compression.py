@@ -18,8 +18,9 @@ import math
 
 import tensorflow as tf
 
+from tfdist import options
+
 SUM = tf.distribute.ReduceOp.SUM
-COMPRESSIONS = ("none", "powersgd")
 
 
 def _already_reduced(grads_and_vars):
@@ -125,17 +126,16 @@ class PowerSGDReducer:
     self._plain = PlainReducer(dtype=dtype)
     self._wire = tf.as_dtype(dtype)
     self._shapes = [tuple(v.shape) for v in variables]
-    self._ranks = [compressed_rank(shape, rank, min_ratio)
-                   for shape in self._shapes]
     self._min_ratio = min_ratio
     self._errors, self._qs = {}, {}
     local = dict(synchronization=tf.VariableSynchronization.ON_READ,
                  aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
                  trainable=False)
-    for i, (variable, r) in enumerate(zip(variables, self._ranks)):
+    for i, shape in enumerate(self._shapes):
+      r = compressed_rank(shape, rank, min_ratio)
       if not r:
         continue
-      n, m = matrix_shape(tuple(variable.shape))
+      n, m = matrix_shape(shape)
       self._errors[i] = tf.Variable(tf.zeros([n, m]), name=f"powersgd_e{i}",
                                     **local)
       self._qs[i] = tf.Variable(self._initial_q(m, r, seed, i),
@@ -214,6 +214,7 @@ def create(config, variables):
                            dtype=config.allreduce_dtype, seed=config.seed)
   if config.allreduce_compression == "none":
     return PlainReducer(dtype=config.allreduce_dtype)
+  valid = options.BY_NAME["allreduce_compression"].choices
   raise ValueError(f"Unrecognized allreduce_compression: "
                    f"{config.allreduce_compression!r}. Valid: "
-                   f"{', '.join(COMPRESSIONS)}.")
+                   f"{', '.join(valid)}.")

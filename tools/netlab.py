@@ -37,6 +37,7 @@ from typing import List, Optional
 from absl import app
 from absl import flags
 
+from tfdist import options
 from tfdist.launch import core
 from tfdist.launch import description
 from tfdist.launch import isolation
@@ -62,7 +63,7 @@ def parse_config(text):
   """A lab configuration: its tfdist flags. float32, float16, bfloat16,
   powersgd[:RANK] (float32 factors)."""
   name, _, rank = text.partition(":")
-  if name in ("float32", "float16", "bfloat16") and not rank:
+  if name in options.BY_NAME["allreduce_dtype"].choices and not rank:
     return [f"--allreduce_dtype={name}"]
   if name == "powersgd" and (not rank or rank.isdigit() and int(rank) > 0):
     return ["--allreduce_compression=powersgd",
