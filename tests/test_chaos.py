@@ -14,6 +14,9 @@ import pytest
 from conftest import long_test
 from tools import chaos
 
+# Kills processes, times out or owns a daemon: run alone (.ci/run).
+pytestmark = pytest.mark.serial
+
 CASES = {
     "multi_worker_mirrored": (
         ["--workers=2"],

@@ -19,6 +19,9 @@ import pytest
 from conftest import LauncherProcess
 from launch import isolation
 
+# Kills processes, times out or owns a daemon: run alone (.ci/run).
+pytestmark = pytest.mark.serial
+
 HOST, OUTSIDE = "198.18.7.1", "198.18.7.2"
 
 

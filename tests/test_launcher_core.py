@@ -15,9 +15,14 @@ import socket
 import sys
 import time
 
+import pytest
+
 from conftest import run_cli
 from launch import core
 from launch import description
+
+# Races on a timer: run alone (.ci/run).
+pytestmark = pytest.mark.serial
 
 SERVE = "import time; time.sleep(600)"
 

@@ -6,6 +6,8 @@ import re
 import signal
 import time
 
+import pytest
+
 import artifacts
 from conftest import LauncherProcess
 from conftest import process_alive
@@ -20,6 +22,7 @@ def _train_args(model_dir, data_dir, *extra):
           *extra]
 
 
+@pytest.mark.serial
 def test_sigkilled_worker_restarts_job_and_finishes(tmp_path, data_dir):
   model_dir = str(tmp_path / "run")
   run = LauncherProcess(
@@ -39,6 +42,7 @@ def test_sigkilled_worker_restarts_job_and_finishes(tmp_path, data_dir):
   assert artifacts.checkpoint_step(model_dir) == 1200
 
 
+@pytest.mark.serial
 def test_sigterm_saves_current_step_then_resumes(tmp_path, data_dir):
   model_dir = str(tmp_path / "run")
   run = LauncherProcess(
@@ -104,6 +108,7 @@ def test_float16_allreduce_trains_to_the_same_accuracy(tmp_path, data_dir):
   assert (results["float16"][1][key] != results["float32"][1][key]).any()
 
 
+@pytest.mark.serial
 def test_stalled_worker_gives_an_error_naming_it(tmp_path, data_dir):
   run = LauncherProcess(
       ["--workers=2", "--stop_grace_seconds=2"],
@@ -123,6 +128,7 @@ def test_stalled_worker_gives_an_error_naming_it(tmp_path, data_dir):
                    r"answering. Peers: worker:1 \(127.0.0.1:\d+\)", output)
 
 
+@pytest.mark.serial
 def test_ctrl_c_stops_every_task(tmp_path, data_dir):
   run = LauncherProcess(
       ["--workers=2", "--stop_grace_seconds=10"],

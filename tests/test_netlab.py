@@ -21,9 +21,10 @@ from tfdist import compression
 
 MLP_WIDE = [(64, 2048), (2048,), (2048, 2048), (2048,), (2048, 10), (10,)]
 
-pytestmark = pytest.mark.skipif(
+# Times traffic on shaped links: run alone (.ci/run).
+pytestmark = [pytest.mark.serial, pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("tc"),
-    reason="needs root, ip and tc")
+    reason="needs root, ip and tc")]
 
 
 def _lab_namespaces(pid=""):

@@ -5,6 +5,8 @@ import os
 import re
 import signal
 
+import pytest
+
 import artifacts
 from conftest import LauncherProcess
 from conftest import long_test
@@ -36,6 +38,7 @@ def test_trains_to_accuracy_with_an_exact_step(tmp_path, data_dir):
   assert "training finished" in proc.stdout
 
 
+@pytest.mark.serial
 def test_killed_worker_restarts_alone_and_run_ends_at_requested_step(
     tmp_path, data_dir):
   # test_launcher_core.py checks the restart-alone policy with scripted
@@ -56,6 +59,7 @@ def test_killed_worker_restarts_alone_and_run_ends_at_requested_step(
   assert artifacts.checkpoint_step(model_dir) == 3000
 
 
+@pytest.mark.serial
 def test_losing_a_worker_without_restarts_is_not_fatal(tmp_path, data_dir):
   """No --max_restarts: the job carries on with the other worker, ends at
   the exact step, and leaves no scratch directory behind."""
@@ -80,6 +84,7 @@ def test_losing_a_worker_without_restarts_is_not_fatal(tmp_path, data_dir):
   assert list(scratch.iterdir()) == []
 
 
+@pytest.mark.serial
 def test_losing_every_worker_checkpoints_and_stops(tmp_path, data_dir):
   model_dir = str(tmp_path / "run")
   run = LauncherProcess(
@@ -98,6 +103,7 @@ def test_losing_every_worker_checkpoints_and_stops(tmp_path, data_dir):
   assert artifacts.checkpoint_step(model_dir) == int(saved.group(1)) >= 400
 
 
+@pytest.mark.serial
 def test_killed_ps_restarts_job_from_checkpoint(tmp_path, data_dir):
   model_dir = str(tmp_path / "run")
   run = LauncherProcess(
@@ -115,6 +121,7 @@ def test_killed_ps_restarts_job_from_checkpoint(tmp_path, data_dir):
   assert artifacts.checkpoint_step(model_dir) == 2000
 
 
+@pytest.mark.serial
 def test_sigterm_to_chief_writes_checkpoint(tmp_path, data_dir):
   model_dir = str(tmp_path / "run")
   run = LauncherProcess(

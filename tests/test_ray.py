@@ -19,6 +19,9 @@ from conftest import LauncherProcess
 from conftest import long_test
 from conftest import process_alive
 
+# Kills processes, times out or owns a daemon: run alone (.ci/run).
+pytestmark = pytest.mark.serial
+
 pytest.importorskip("ray", reason="needs the ray extra: pip install "
                     "-e '.[cpu,ray]'")
 

@@ -13,6 +13,9 @@ from conftest import long_test
 from tfdist import cluster
 from tfdist.cluster import ClusterError
 
+# Kills processes, times out or owns a daemon: run alone (.ci/run).
+pytestmark = pytest.mark.serial
+
 
 def test_expand_hostlist():
   assert cluster.expand_hostlist("n[01-03,7],gpu5") == (

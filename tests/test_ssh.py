@@ -14,6 +14,9 @@ import pytest
 import artifacts
 from conftest import ROOT
 
+# Kills processes, times out or owns a daemon: run alone (.ci/run).
+pytestmark = pytest.mark.serial
+
 SSHD_CONFIG = """\
 ListenAddress 127.0.0.1
 Port {port}

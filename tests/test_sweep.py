@@ -15,6 +15,9 @@ import yaml
 import artifacts
 from conftest import ROOT
 
+# Kills processes, times out or owns a daemon: run alone (.ci/run).
+pytestmark = pytest.mark.serial
+
 pytest.importorskip("ray.tune", reason="needs the ray extra")
 
 # Flags after -- override the file's; the file's own 600 steps leave the
