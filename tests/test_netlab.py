@@ -1,7 +1,8 @@
 """tools.netlab, short form: 2 workers in their own namespaces over a
 shaped 1 Gbit/s bridge; float32 bytes match the ring bound, PowerSGD's
-match its element count, and the lab leaves nothing behind, even when
-interrupted. Needs root, ip and tc."""
+match its element count, the probe and the rounds are recorded, and the
+lab leaves nothing behind, even when interrupted. The lab tests need root,
+ip and tc."""
 
 import ipaddress
 import json
@@ -21,10 +22,13 @@ from tfdist import compression
 
 MLP_WIDE = [(64, 2048), (2048,), (2048, 2048), (2048,), (2048, 10), (10,)]
 
-# Times traffic on shaped links: run alone (.ci/run).
-pytestmark = [pytest.mark.serial, pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("tc"),
-    reason="needs root, ip and tc")]
+_needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"),
+                                 reason="needs root, ip and tc")
+
+
+def lab_test(test):
+  # Times traffic on shaped links: run alone (.ci/run).
+  return pytest.mark.serial(_needs_root(test))
 
 
 def _lab_namespaces(pid=""):
@@ -38,6 +42,7 @@ def _netlab(*args):
   return [sys.executable, "-m", "tools.netlab", *args]
 
 
+@lab_test
 def test_lab_addresses_and_routes_stay_in_the_benchmark_range():
   with netlab.Lab(tasks=4, rate_bits=1e9) as lab:
     for k in range(4):
@@ -56,18 +61,31 @@ def test_lab_addresses_and_routes_stay_in_the_benchmark_range():
   assert not _lab_namespaces(os.getpid())
 
 
+@lab_test
 def test_float32_and_powersgd_bytes_per_step(tmp_path, data_dir):
   out = tmp_path / "lab.json"
   before = _lab_namespaces()
   proc = subprocess.run(
       _netlab("--workers=2", "--links=1gbit", "--configs=float32,powersgd:4",
               "--model=mlp_wide", "--steps=24", "--log_every=8",
+              "--rounds=2", "--probe_sizes=65536,1048576",
               f"--data_dir={data_dir}", f"--json_out={out}"),
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert "| 1gbit | 2 | powersgd:4 | 0 |" in proc.stdout
   assert "latency is queueing only" in proc.stdout
-  float32, powersgd = json.loads(out.read_text())["results"]
+  lab = json.loads(out.read_text())
+  float32, powersgd = lab["results"]
+  for result in (float32, powersgd):
+    assert len(result["seconds_rounds"]) == 2
+    assert result["seconds_per_step"] == pytest.approx(
+        sum(result["seconds_rounds"]) / 2)  # The median of two.
+  # One all-reduce time per size, and the one-core compute time: what
+  # tools.scaling fits.
+  assert [(p["link"], p["workers"], p["bytes"]) for p in lab["probe"]] == [
+      ("1gbit", 2, 65536), ("1gbit", 2, 1048576)]
+  assert all(p["seconds"] > 0 for p in lab["probe"])
+  assert [c["batch"] for c in lab["compute"]] == [32]
   elements = sum(math.prod(shape) for shape in MLP_WIDE)
   # Ring all-reduce over 2 workers: each sends and receives the gradient
   # once per step. Measured on the links, with headers and the per-loop
@@ -83,6 +101,7 @@ def test_float32_and_powersgd_bytes_per_step(tmp_path, data_dir):
   assert _lab_namespaces() == before
 
 
+@lab_test
 def test_interrupted_lab_removes_everything(tmp_path, data_dir):
   proc = subprocess.Popen(
       _netlab("--workers=2", "--links=100mbit", "--configs=float32",
@@ -105,6 +124,7 @@ def test_interrupted_lab_removes_everything(tmp_path, data_dir):
   assert not leftover
 
 
+@lab_test
 def test_bad_flags_are_one_line():
   proc = subprocess.run(_netlab("--links=fast"), cwd=ROOT,
                         capture_output=True, text=True, timeout=60)
@@ -112,3 +132,34 @@ def test_bad_flags_are_one_line():
   assert proc.stderr.strip().splitlines() == [
       "tools.netlab: error: a link rate is a number and kbit, mbit or gbit. "
       "Received: 'fast'"]
+
+
+def _result(seconds, config="float32", sent=(10.0, 20.0), accuracy=0.9):
+  return netlab.Result(link="1gbit", workers=2, config=config,
+                       bytes_per_pack=0, seconds_per_step=seconds,
+                       sent_per_step=list(sent), received_per_step=[5.0, 5.0],
+                       accuracy=accuracy, steps_measured=10)
+
+
+def test_rounds_combine_to_the_median_and_keep_the_spread():
+  combined = netlab.combine([_result(0.30, sent=(10.0, 20.0)),
+                             _result(0.50, sent=(30.0, 40.0), accuracy=0.8),
+                             _result(0.31, accuracy=0.7)])
+  assert combined.seconds_per_step == 0.31
+  assert combined.seconds_rounds == [0.30, 0.50, 0.31]
+  assert combined.sent_per_step == pytest.approx([50 / 3, 80 / 3])
+  assert combined.accuracy == 0.8
+  with pytest.raises(ValueError, match="one configuration"):
+    netlab.combine([_result(0.3), _result(0.3, config="float16")])
+
+
+def test_tasks_are_pinned_to_cores_in_their_namespace():
+  lab = netlab.Lab(tasks=3, rate_bits=1e9, cores=2)
+  assert lab.wrap(2, ["python", "-m", "x"]) == [
+      "ip", "netns", "exec", lab.task_ns[2], "taskset", "-c", "0", "python",
+      "-m", "x"]
+  unpinned = netlab.Lab(tasks=3, rate_bits=1e9)
+  assert unpinned.wrap(1, ["x"]) == ["ip", "netns", "exec",
+                                     unpinned.task_ns[1], "x"]
+  with pytest.raises(ValueError, match="Received: cores=0"):
+    netlab.Lab(tasks=2, rate_bits=1e9, cores=0)

@@ -1,10 +1,12 @@
 """Times MultiWorkerMirrored all-reduces of given sizes (a lab task).
 
-Started by tools.netlab --probe as every task of a lab job, with TF_CONFIG
-set by the launcher. Worker 0 prints one line per size:
+Started by tools.netlab --probe_sizes as every task of a lab job, with
+TF_CONFIG set by the launcher. Worker 0 prints one line per size:
   probe bytes=S seconds=T
-T is the median over --repeats calls of one all-reduce of S float32 bytes
-(ring, one pack), after a warm-up call.
+T is one ring all-reduce of S float32 bytes (one pack): the median over
+--calls of a tf.function that runs --repeats all-reduces back to back, as
+a training loop runs its steps (single Python-dispatched calls add ~20 ms
+of dispatch and wake-up each on this 2-core host), divided by --repeats.
 """
 
 import statistics
@@ -16,7 +18,8 @@ from absl import flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["65536", "1048576", "4194304"], "Bytes.")
-flags.DEFINE_integer("repeats", 5, "Timed calls per size.")
+flags.DEFINE_integer("repeats", 8, "All-reduces per timed call.")
+flags.DEFINE_integer("calls", 3, "Timed calls per size (median).")
 
 
 def main(argv):
@@ -31,18 +34,25 @@ def main(argv):
     length = max(size // 4, 1)
 
     @tf.function
-    def reduce(length=length):
-      def replica_fn():
-        values = tf.ones([length], tf.float32)
-        return tf.distribute.get_replica_context().all_reduce("sum", values)
-      return strategy.run(replica_fn)
+    def reduce_many(length=length):
+      def replica_fn(previous):
+        # Each all-reduce reads the last one's result, so they run in
+        # order and none is pruned.
+        values = tf.ones([length], tf.float32) + 0.0 * previous
+        return tf.distribute.get_replica_context().all_reduce(
+            "sum", tf.identity(values))
+      total = tf.zeros([])
+      for _ in tf.range(FLAGS.repeats):
+        reduced = strategy.run(replica_fn, args=(total,))
+        total = strategy.experimental_local_results(reduced)[0][0]
+      return total
 
-    reduce()  # Warm-up: tracing and connection set-up.
+    reduce_many()  # Warm-up: tracing and connection set-up.
     times = []
-    for _ in range(FLAGS.repeats):
+    for _ in range(FLAGS.calls):
       start = time.perf_counter()
-      reduce().numpy()
-      times.append(time.perf_counter() - start)
+      reduce_many().numpy()
+      times.append((time.perf_counter() - start) / FLAGS.repeats)
     if chief:
       print(f"probe bytes={size} seconds={statistics.median(times):.6f}",
             flush=True)

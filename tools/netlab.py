@@ -2,7 +2,7 @@
 
 sudo python -m tools.netlab --workers=2 --links=1gbit,100mbit \
     --configs=float32,float16,powersgd:4 [--bytes_per_pack=0,4194304] \
-    [--model=mlp_wide] [--steps=40] [--json_out=lab.json]
+    [--model=mlp_wide] [--steps=40] [--rounds=3] [--json_out=lab.json]
 
 Each task runs in its own network namespace, joined by a veth pair to a
 Linux bridge in one more namespace; every link is shaped with `tc tbf` in
@@ -13,19 +13,25 @@ anywhere else; every namespace is removed at the end, on Ctrl-C too, and
 namespaces of a lab that was SIGKILLed are removed by the next one.
 
 The job is the real launcher (launch.core) running `tfdist.train` with
-multi_worker_mirrored. Per step: wall time, and the bytes each worker sent
-and received on its link, taken between the chief's progress lines after
-the first (which holds tracing) and the last.
+multi_worker_mirrored, task k pinned to core k mod cores (unpinned, the
+scheduler's placement of 2-4 tasks on 2 cores moved one configuration's
+step time by 25% between runs). Per step: wall time, and the bytes each
+worker sent and received on its link, taken between the chief's progress
+lines after the first (which holds tracing) and the last. --rounds repeats
+every configuration, one round after another, and reports the median and
+the spread.
 """
 
 import contextlib
 import dataclasses
 import ipaddress
+import itertools
 import json
 import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -81,16 +87,20 @@ class Lab:
   """Namespaces, veths, a bridge and shaped links for `tasks` tasks; a
   context manager that removes all of it."""
 
-  def __init__(self, *, tasks, rate_bits, mtu=1500):
+  def __init__(self, *, tasks, rate_bits, mtu=1500, cores=None):
     if not 1 <= tasks <= 250:
       raise ValueError(f"tasks must be 1 to 250 (one /24 of addresses). "
                        f"Received: tasks={tasks}")
     if not rate_bits > 0:
       raise ValueError(f"rate_bits must be > 0. Received: "
                        f"rate_bits={rate_bits}")
+    if cores is not None and cores < 1:
+      raise ValueError(f"cores must be >= 1 or None (no pinning). "
+                       f"Received: cores={cores}")
     self.tasks = tasks
     self.rate_bits = rate_bits
     self.mtu = mtu
+    self.cores = cores
     prefix = f"{isolation.PREFIX}{os.getpid()}-lab"
     self.bridge_ns = f"{prefix}-br"
     self.task_ns = [f"{prefix}-t{k}" for k in range(tasks)]
@@ -144,7 +154,9 @@ class Lab:
       self._shape(self.bridge_ns, f"b{k}")  # What task k receives.
 
   def wrap(self, k, argv):
-    return ["ip", "netns", "exec", self.task_ns[k], *argv]
+    """Task k's command: in its namespace, on core k mod cores."""
+    pin = ["taskset", "-c", str(k % self.cores)] if self.cores else []
+    return ["ip", "netns", "exec", self.task_ns[k], *pin, *argv]
 
   def counters(self):
     """[(sent, received) bytes] of each task's link, from the bridge side
@@ -181,6 +193,28 @@ class Result:
   received_per_step: List[float]
   accuracy: Optional[float]
   steps_measured: int
+  seconds_rounds: List[float] = dataclasses.field(default_factory=list)
+
+
+def combine(rounds):
+  """One Result from the same configuration's rounds: the median step time
+  (each round's in seconds_rounds) and accuracy, and mean bytes."""
+  first = rounds[0]
+  if any((r.link, r.workers, r.config, r.bytes_per_pack) !=
+         (first.link, first.workers, first.config, first.bytes_per_pack)
+         for r in rounds):
+    raise ValueError("combine takes rounds of one configuration")
+
+  def mean(lists):
+    return [statistics.fmean(values) for values in zip(*lists)]
+  seconds = [r.seconds_per_step for r in rounds]
+  accuracies = [r.accuracy for r in rounds if r.accuracy is not None]
+  return dataclasses.replace(
+      first, seconds_per_step=statistics.median(seconds),
+      accuracy=statistics.median(accuracies) if accuracies else None,
+      sent_per_step=mean([r.sent_per_step for r in rounds]),
+      received_per_step=mean([r.received_per_step for r in rounds]),
+      seconds_rounds=seconds)
 
 
 _STEP = re.compile(r"train step (\d+)/\d+")  # tfdist.train's progress.
@@ -324,16 +358,19 @@ def table(results):
   base = {(r.link, r.workers, r.bytes_per_pack): r.seconds_per_step
           for r in results if r.config == "float32"}
   lines = ["| link | workers | all-reduce | bytes_per_pack | s/step | "
-           "sent MB/step/worker | received MB/step/worker | vs float32 | "
-           "accuracy |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "rounds (min-max) | sent MB/step/worker | "
+           "received MB/step/worker | vs float32 | accuracy |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
   for r in results:
     reference = base.get((r.link, r.workers, r.bytes_per_pack))
     speedup = f"{reference / r.seconds_per_step:.2f}x" if reference else "-"
     accuracy = f"{r.accuracy:.4f}" if r.accuracy is not None else "-"
     sent = sum(r.sent_per_step) / len(r.sent_per_step) / 1e6
     received = sum(r.received_per_step) / len(r.received_per_step) / 1e6
+    spread = (f"{len(r.seconds_rounds)}: {min(r.seconds_rounds):.3f}-"
+              f"{max(r.seconds_rounds):.3f}" if r.seconds_rounds else "1")
     lines.append(f"| {r.link} | {r.workers} | {r.config} | "
-                 f"{r.bytes_per_pack} | {r.seconds_per_step:.3f} | "
+                 f"{r.bytes_per_pack} | {r.seconds_per_step:.3f} | {spread} | "
                  f"{sent:.3f} | {received:.3f} | {speedup} | {accuracy} |")
   return "\n".join(lines)
 
@@ -346,6 +383,9 @@ flags.DEFINE_list("configs", ["float32", "powersgd:4"],
 flags.DEFINE_list("bytes_per_pack", ["0"], "--bytes_per_pack values.")
 flags.DEFINE_string("model", "mlp_wide", "Model from the zoo.")
 flags.DEFINE_integer("steps", 40, "Train steps per run.")
+flags.DEFINE_integer("rounds", 1, "Runs of every configuration; the table "
+                     "gives the median and the spread.")
+flags.DEFINE_bool("pin", True, "Pin lab task k to core k mod cores.")
 flags.DEFINE_integer("log_every", 10, "Steps between samples.")
 flags.DEFINE_integer("batch_size", 64, "Global batch.")
 flags.DEFINE_integer("mtu", 1500, "MTU of the lab's veths.")
@@ -366,6 +406,8 @@ def _check_flags():
   rates = [(link, parse_rate(link)) for link in FLAGS.links]
   configs = [(config, parse_config(config)) for config in FLAGS.configs]
   packs = [int(p) for p in FLAGS.bytes_per_pack]
+  if FLAGS.rounds < 1:
+    raise ValueError(f"--rounds must be >= 1. Received: {FLAGS.rounds}")
   if FLAGS.steps < 3 * FLAGS.log_every:
     raise ValueError(f"--steps must be at least 3 x --log_every. Received: "
                      f"steps={FLAGS.steps}, log_every={FLAGS.log_every}")
@@ -383,7 +425,8 @@ def _lab_session(workers, rate):
   signals over while a job runs, and Ctrl-C is taken back after."""
   signal.signal(signal.SIGTERM, _raise_on_sigterm)
   try:
-    with Lab(tasks=workers, rate_bits=rate, mtu=FLAGS.mtu) as lab:
+    with Lab(tasks=workers, rate_bits=rate, mtu=FLAGS.mtu,
+             cores=os.cpu_count() if FLAGS.pin else None) as lab:
       yield lab
   finally:
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -423,11 +466,13 @@ def main(argv):
       return 130
   print(f"\nModel {FLAGS.model}, global batch {FLAGS.batch_size}, "
         f"{FLAGS.steps} steps per run, measured over the last "
-        f"{results[0].steps_measured}.")
+        f"{results[0].steps_measured}; median of {FLAGS.rounds} "
+        f"round(s); tasks {'pinned to cores' if FLAGS.pin else 'unpinned'}.")
   print(table(results))
   if FLAGS.json_out:
     with open(FLAGS.json_out, "w") as out:
       json.dump({"model": FLAGS.model, "batch_size": FLAGS.batch_size,
+                 "rounds": FLAGS.rounds, "pinned": FLAGS.pin,
                  "results": [dataclasses.asdict(r) for r in results],
                  **extra}, out, indent=1)
   return 0
@@ -464,31 +509,37 @@ def _probe_all(workers_list, rates):
 
 
 def _run_all(workers_list, rates, configs, packs):
-  results = []
+  """Every configuration once per round, rounds one after another (so a
+  slow spell of the host touches every configuration alike); one combined
+  Result per configuration."""
+  rounds = {}
+  run_index = itertools.count()
   with tempfile.TemporaryDirectory(prefix="tfdist-netlab-") as scratch:
-    for link, rate in rates:
-      for workers in workers_list:
-        for pack in packs:
-          for name, config_flags in configs:
-            with _lab_session(workers, rate) as lab:
-              tap = run_job(lab, workers=workers, verbose=FLAGS.verbose,
-                            train_args=train_args(
-                                model=FLAGS.model, steps=FLAGS.steps,
-                                log_every=FLAGS.log_every,
-                                batch_size=FLAGS.batch_size,
-                                data_dir=FLAGS.data_dir,
-                                model_dir=os.path.join(scratch,
-                                                       str(len(results))),
-                                config_flags=config_flags,
-                                bytes_per_pack=pack))
-            results.append(measure(tap, link=link, workers=workers,
-                                   config=name, bytes_per_pack=pack))
-            r = results[-1]
-            print(f"{link} {workers} workers {name} pack {pack}: "
-                  f"{r.seconds_per_step:.3f} s/step, "
-                  f"{sum(r.sent_per_step) / workers / 1e6:.3f} MB sent per "
-                  f"worker per step, accuracy {r.accuracy}", flush=True)
-  return results
+    for round_index in range(FLAGS.rounds):
+      for link, rate in rates:
+        for workers in workers_list:
+          for pack in packs:
+            for name, config_flags in configs:
+              with _lab_session(workers, rate) as lab:
+                tap = run_job(lab, workers=workers, verbose=FLAGS.verbose,
+                              train_args=train_args(
+                                  model=FLAGS.model, steps=FLAGS.steps,
+                                  log_every=FLAGS.log_every,
+                                  batch_size=FLAGS.batch_size,
+                                  data_dir=FLAGS.data_dir,
+                                  model_dir=os.path.join(
+                                      scratch, str(next(run_index))),
+                                  config_flags=config_flags,
+                                  bytes_per_pack=pack))
+              r = measure(tap, link=link, workers=workers, config=name,
+                          bytes_per_pack=pack)
+              rounds.setdefault((link, workers, pack, name), []).append(r)
+              print(f"round {round_index + 1}/{FLAGS.rounds}: {link} "
+                    f"{workers} workers {name} pack {pack}: "
+                    f"{r.seconds_per_step:.3f} s/step, "
+                    f"{sum(r.sent_per_step) / workers / 1e6:.3f} MB sent per "
+                    f"worker per step, accuracy {r.accuracy}", flush=True)
+  return [combine(found) for found in rounds.values()]
 
 
 if __name__ == "__main__":
