@@ -13,13 +13,13 @@ anywhere else; every namespace is removed at the end, on Ctrl-C too, and
 namespaces of a lab that was SIGKILLed are removed by the next one.
 
 The job is the real launcher (launch.core) running `tfdist.train` with
-multi_worker_mirrored, task k pinned to core k mod cores (unpinned, the
-scheduler's placement of 2-4 tasks on 2 cores moved one configuration's
-step time by 25% between runs). Per step: wall time, and the bytes each
-worker sent and received on its link, taken between the chief's progress
-lines after the first (which holds tracing) and the last. --rounds repeats
-every configuration, one round after another, and reports the median and
-the spread.
+multi_worker_mirrored, task k pinned to core k mod cores (so 2 workers
+never share a core; unpinned, a lab run had float16 slower than float32
+at 10 Gbit/s). Per step: wall time, and the bytes each worker sent and
+received on its link, taken between the chief's progress lines after the
+first (which holds tracing) and the last. --rounds repeats every
+configuration, one round after another, and reports the median and the
+spread.
 """
 
 import contextlib
