@@ -5,8 +5,9 @@ TF_CONFIG set by the launcher. Worker 0 prints one line per size:
   probe bytes=S seconds=T
 T is one ring all-reduce of S float32 bytes (one pack): the median over
 --calls of a tf.function that runs --repeats all-reduces back to back, as
-a training loop runs its steps (single Python-dispatched calls add ~20 ms
-of dispatch and wake-up each on this 2-core host), divided by --repeats.
+a training loop runs its steps, divided by --repeats. (Timed one Python
+call each, the fitted per-message cost on the lab's 10 Gbit/s was about
+ten times higher: mostly dispatch, which a training loop does not pay.)
 """
 
 import statistics
