@@ -32,7 +32,7 @@ class Runner(Protocol):
     """On SIGTERM: call save_fn, then stop with PreemptedError."""
 
   def make_iterator(self, input_fn):
-    """An iterator over the train batches of `input_fn`."""
+    """An iterator over the distributed dataset of `input_fn`."""
 
   def run_steps(self, iterator, num_steps, steps_per_call, first_step
                 ) -> compiled_loops.LoopSums:
@@ -65,32 +65,6 @@ def _failed_task(error):
   return f"{found.group(1)}:{found.group(2)}" if found else "a task"
 
 
-def plain_input_context(strategy):
-  """The InputContext of this process when it runs the one replica of a
-  (multi-worker) mirrored strategy on a CPU, else None.
-
-  Such a process feeds its train steps from a plain tf.data iterator, whose
-  batch strategy.run hands to its one replica: TF's distributed iterator
-  costs about 60 ms of system CPU per step on one core
-  (tools/bench_input.py). On GPUs it also prefetches to the device, so they
-  keep it; so do eval passes (finite, padded)."""
-  if not isinstance(strategy, (tf.distribute.MirroredStrategy,
-                               tf.distribute.MultiWorkerMirroredStrategy)):
-    return None
-  devices = strategy.extended.worker_devices
-  if (len(devices) != 1 or
-      tf.DeviceSpec.from_string(devices[0]).device_type != "CPU"):
-    return None
-  # MultiWorkerMirrored's own context (pipelines = workers, this task's
-  # id); MirroredStrategy's is one pipeline.
-  make = getattr(strategy.extended, "_make_input_context", None)
-  if make is not None:
-    return make()
-  return tf.distribute.InputContext(
-      num_input_pipelines=1, input_pipeline_id=0,
-      num_replicas_in_sync=strategy.num_replicas_in_sync)
-
-
 class SyncRunner:
   """Runs loop functions in this process."""
 
@@ -115,13 +89,6 @@ class SyncRunner:
           save_fn=save_fn, step_fn=step_fn)
 
   def make_iterator(self, input_fn):
-    context = plain_input_context(self._strategy)
-    if context is not None:
-      dataset = input_fn(context)
-      # A stream that may end keeps TF's iterator, which ends it on every
-      # worker at once.
-      if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
-        return iter(dataset)
     return iter(self._strategy.distribute_datasets_from_function(input_fn))
 
   def _counted_train_steps(self, iterator, num_steps, compressed):
@@ -144,10 +111,9 @@ class SyncRunner:
     return combine(parts)
 
   def evaluate(self, input_fn, num_steps):
-    iterator = iter(self._strategy.distribute_datasets_from_function(
-        input_fn))
     return self._loops.unpack_eval(
-        self._call(self._eval, iterator, num_steps), num_steps)
+        self._call(self._eval, self.make_iterator(input_fn), num_steps),
+        num_steps)
 
   def _call(self, loop_fn, iterator, num_steps):
     try:
