@@ -72,7 +72,14 @@ def _pipeline(config, task, model, example):
 
 
 def build_model(config, task, sample):
-  """The task's model with its variables created, under the strategy."""
+  """The task's model with its variables created, under the strategy.
+
+  Seeded here, just before the model is built: whatever ran before (a
+  dataset prepared on first use, a user's data function) may have drawn
+  from the global generators, and the same seed must give the same
+  weights whatever was on disk.
+  """
+  keras.utils.set_random_seed(config.seed)
   model = task.build_model()
   if not isinstance(model, keras.Model):
     raise ConfigError(f"{task.display_name}.build_model() returned a "

@@ -70,11 +70,50 @@ def from_user(name, train, test):
   if not num_train:
     raise ConfigError(f"{name}: the train split must be finite and not "
                       f"empty. Received: {num_train} examples")
-  train_cached, test_cached = train.cache(), test.cache()
   return Dataset(name=name, num_train_examples=num_train,
                  num_test_examples=_count(test),
-                 train_source=lambda: train_cached,
-                 test_source=lambda: test_cached)
+                 train_source=_portable_source(train, f"{name} (train)"),
+                 test_source=_portable_source(test, f"{name} (eval)"))
+
+
+_WARN, _FAIL = 0, 2  # DatasetToGraphV2's external_state_policy values.
+
+
+def _portable_source(dataset, name):
+  """A source of `dataset` that any task of the cluster can call.
+
+  A dataset made in this process (numpy arrays, say) is a handle to state
+  in this process only. Called eagerly, the source returns it, cached.
+  Called while a function is traced (a parameter-server worker's dataset
+  function, which is shipped to other processes), it returns the dataset
+  rebuilt from its serialized graph, which carries the arrays with it.
+  """
+  cached = dataset.cache()
+  graph = []
+
+  def serialized():
+    if not graph:
+      with tf.init_scope():  # Serialize eagerly, once, in this process.
+        try:
+          graph.append(tf.raw_ops.DatasetToGraphV2(
+              input_dataset=dataset._variant_tensor,  # pylint: disable=protected-access
+              external_state_policy=_FAIL, strip_device_assignment=True))
+        except tf.errors.FailedPreconditionError as e:
+          logging.warning(
+              "%s holds state of this process (%s); other tasks get a "
+              "fresh copy of it.", name, str(e).splitlines()[0][:160])
+          graph.append(tf.raw_ops.DatasetToGraphV2(
+              input_dataset=dataset._variant_tensor,  # pylint: disable=protected-access
+              external_state_policy=_WARN, strip_device_assignment=True))
+    return graph[0]
+
+  def source():
+    if tf.executing_eagerly():
+      return cached
+    return tf.data.experimental.from_variant(
+        tf.raw_ops.DatasetFromGraph(graph_def=serialized()),
+        dataset.element_spec).cache()
+  return source
 
 
 def features_spec(dataset: Dataset):
