@@ -47,14 +47,15 @@ def role_of(config, tf_config):
 
 
 def ensure_writable_dir(path):
-  """Creates `path` if needed and proves a file can be written in it."""
+  """Creates model_dir if needed and proves a file can be written in it."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist import storage  # pylint: disable=g-import-not-at-top
   try:
-    os.makedirs(path, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path, prefix=".tfdist-probe-"):
-      pass
-  except OSError as e:
+    storage.ensure_writable(path)
+  except (OSError, tf.errors.OpError) as e:
+    reason = getattr(e, "message", None) or getattr(e, "strerror", None) or e
     raise TfdistError(f"model_dir {path} is not writable: "
-                      f"{e.strerror or e}") from None
+                      f"{str(reason).splitlines()[0][:200]}") from None
 
 
 @contextlib.contextmanager
@@ -113,9 +114,9 @@ def run(config, *, task=None, tf_config=None, show_native_logs=False):
   """Runs this task of the job; returns the Trainer's RunResult, or None
   for a ps/worker server or a sidecar evaluator."""
   role = role_of(config, tf_config)
-  ensure_writable_dir(config.model_dir)
   started = start_tensorflow(config, role, tf_config=tf_config,
                              show_native_logs=show_native_logs)
+  ensure_writable_dir(config.model_dir)
   if role is Role.SERVER:
     from tfdist import ps_server  # pylint: disable=g-import-not-at-top
     del started  # This task's tf.distribute.Server: it serves meanwhile.

@@ -5,7 +5,6 @@ compiled loops and their runner, the checkpoint store, the summaries and
 the export: made here, then handed to tfdist.trainer.Trainer.
 """
 
-import os
 
 from absl import logging
 import keras
@@ -22,6 +21,7 @@ from tfdist import placement
 from tfdist import preflight
 from tfdist import replica_check
 from tfdist import runners
+from tfdist import storage
 from tfdist import summaries as summaries_lib
 from tfdist import task as task_lib
 from tfdist import trainer as trainer_lib
@@ -207,7 +207,7 @@ def build_trainer(config, info, task, *, write_dir):
       return None
     # Every worker exports (saving may need collectives); only the chief's
     # write_dir is model_dir.
-    export_dir = os.path.join(write_dir, "export")
+    export_dir = storage.join(write_dir, "export")
     export.export_saved_model(
         model, serving_outputs=task.serving_outputs,
         features_spec=inputs.features_spec, export_dir=export_dir,

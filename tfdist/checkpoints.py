@@ -2,11 +2,11 @@
 overwrite a checkpoint of a different model."""
 
 import json
-import os
 
 from absl import logging
 import tensorflow as tf
 
+from tfdist import storage
 from tfdist.errors import CheckpointError
 
 SIGNATURE_FILE = "tfdist_model.json"
@@ -51,7 +51,7 @@ class CheckpointStore:
                                                 max_to_keep=1))
 
   def _check_signature(self):
-    path = os.path.join(self._model_dir, SIGNATURE_FILE)
+    path = storage.join(self._model_dir, SIGNATURE_FILE)
     if not tf.io.gfile.exists(path):
       return
     with tf.io.gfile.GFile(path) as f:
@@ -108,9 +108,7 @@ class CheckpointStore:
     try:
       path = self._manager.save(checkpoint_number=step)
     except (tf.errors.OpError, OSError) as e:
-      partial = os.path.join(self._write_dir, f"ckpt-{step}_temp")
-      if tf.io.gfile.exists(partial):
-        tf.io.gfile.rmtree(partial)
+      storage.remove_tree(storage.join(self._write_dir, f"ckpt-{step}_temp"))
       reason = getattr(e, "message", None) or str(e)
       reason = reason.splitlines()[0].rsplit(";", 1)[-1].strip()[:120]
       raise CheckpointError(
@@ -123,7 +121,7 @@ class CheckpointStore:
     return path
 
   def _write_signature(self):
-    path = os.path.join(self._model_dir, SIGNATURE_FILE)
+    path = storage.join(self._model_dir, SIGNATURE_FILE)
     if not tf.io.gfile.exists(path):
       with tf.io.gfile.GFile(path, "w") as f:
         json.dump(self._signature, f, indent=1, sort_keys=True)

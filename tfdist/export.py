@@ -6,11 +6,10 @@ The `serving_default` signature takes one named input per feature (`images`
 for the built-in classification task) and returns the task's named outputs.
 """
 
-import os
-import shutil
-
 import keras
 import tensorflow as tf
+
+from tfdist import storage
 
 
 def serving_spec(features_spec, single_name):
@@ -26,9 +25,8 @@ def serving_spec(features_spec, single_name):
 def export_saved_model(model, *, serving_outputs, features_spec, export_dir,
                        input_name="features"):
   """Writes a SavedModel; the previous export is replaced only on success."""
-  staging = export_dir.rstrip("/") + ".tmp"
-  if tf.io.gfile.exists(staging):
-    tf.io.gfile.rmtree(staging)
+  staging = storage.staging_path(export_dir)
+  storage.remove_tree(staging)
   archive = keras.export.ExportArchive()
   archive.track(model)
 
@@ -39,7 +37,5 @@ def export_saved_model(model, *, serving_outputs, features_spec, export_dir,
       name="serving_default", fn=serve,
       input_signature=[serving_spec(features_spec, input_name)])
   archive.write_out(staging, verbose=False)
-  if tf.io.gfile.exists(export_dir):
-    shutil.rmtree(export_dir)
-  os.replace(staging, export_dir)
+  storage.replace_tree(staging, export_dir)
   return export_dir

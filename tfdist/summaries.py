@@ -2,11 +2,12 @@
 and eval metrics as JSON lines for programs that follow a run (sweeps)."""
 
 import json
-import os
 
 from absl import logging
 import tensorflow as tf
 from tensorboard.plugins.hparams import api as hparams_api
+
+from tfdist import storage
 
 
 def _hparam_value(value):
@@ -21,7 +22,7 @@ class Summaries:
   def __init__(self, model_dir, *, enabled=True, metrics_file=None):
     self._enabled = enabled
     self._metrics_file = metrics_file if enabled else None
-    self._dirs = {kind: os.path.join(model_dir, kind)
+    self._dirs = {kind: storage.join(model_dir, kind)
                   for kind in ("train", "eval")}
     self._writers = {}
     self._profiling = False
@@ -42,7 +43,7 @@ class Summaries:
       # half a record.
       line = json.dumps({"step": int(step),
                          **{k: float(v) for k, v in values.items()}})
-      with open(self._metrics_file, "a", encoding="utf-8") as f:
+      with tf.io.gfile.GFile(self._metrics_file, "a") as f:
         f.write(line + "\n")
 
   def hparams(self, config_dict):
