@@ -76,6 +76,7 @@ class Metrics:
     return [[tf.constant(value) for value in state] for state in self.initial]
 
   def update(self, states, labels, outputs, sample_weight=None):
+    labels, outputs = _with_example_axis(labels, outputs)
     return [list(metric.stateless_update_state(
         state, labels, outputs, sample_weight=sample_weight))
             for metric, state in zip(self._metrics, states)]
@@ -104,9 +105,20 @@ class EvalState(NamedTuple):
   metrics: list
 
 
+def _with_example_axis(labels, outputs):
+  """Rank-1 outputs (a squeezed head, one value per example) and their
+  labels get a last axis of size 1, so that a Keras loss or metric, which
+  reduces the last axis, gives one value per example, as in Keras `fit`."""
+  if not (isinstance(outputs, tf.Tensor) and outputs.shape.rank == 1):
+    return labels, outputs
+  if isinstance(labels, tf.Tensor) and labels.shape.rank == 1:
+    labels = labels[:, None]
+  return labels, outputs[:, None]
+
+
 def per_example_loss(task, labels, outputs):
   """The task's loss, checked to be per example ([batch] or more)."""
-  loss = task.loss(labels, outputs)
+  loss = task.loss(*_with_example_axis(labels, outputs))
   if loss.shape.rank == 0:
     raise ConfigError(
         f"{task.display_name}'s loss returned a scalar; tfdist needs the "

@@ -1,9 +1,7 @@
 """File operations on model_dir and what lies under it, through tf.io.gfile.
 
 model_dir may be local or on gs://, s3:// or ram://, so nothing here uses
-os or shutil. Object stores have no real directories: removing a tree
-removes its files, and a directory that is only a prefix may already be
-gone.
+os or shutil.
 """
 
 import os
@@ -30,9 +28,11 @@ def remove_tree(path):
   """Removes `path` and everything under it, if it exists."""
   if not tf.io.gfile.exists(path):
     return
-  if not tf.io.gfile.isdir(path):
-    tf.io.gfile.remove(path)
+  try:
+    tf.io.gfile.rmtree(path)
     return
+  except tf.errors.NotFoundError:
+    pass  # ram:// cannot remove a tree at once: file by file.
   for directory, _, files in tf.io.gfile.walk(path, topdown=False):
     for name in files:
       tf.io.gfile.remove(join(directory, name))
@@ -40,8 +40,6 @@ def remove_tree(path):
       tf.io.gfile.remove(directory)
     except tf.errors.NotFoundError:
       pass  # A prefix, not an object: gone with its last file.
-  if tf.io.gfile.exists(path):
-    tf.io.gfile.rmtree(path)
 
 
 def replace_tree(source, target):
