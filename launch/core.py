@@ -124,6 +124,12 @@ class Launcher:
         self._log(f"{failed} found its port taken; relaunching with new "
                   f"ports ({port_retries} of {MAX_PORT_RETRIES}).")
         continue
+      if code == PREEMPTED_EXIT_CODE:
+        # A preemption is not a failure: the task saved its step, and
+        # Kubernetes would restart a preempted pod. It uses no restart.
+        self._log(f"{failed} was preempted and saved a checkpoint; "
+                  "resuming the job (a preemption uses no restart).")
+        continue
       if restarts >= self._args.max_restarts:
         self._log(f"{failed} exited with code {code}; no restarts left "
                   f"({restarts} of {self._args.max_restarts} used). "
@@ -131,9 +137,7 @@ class Launcher:
         return code if code > 0 else 1
       restarts += 1
       delay = self._args.backoff_seconds * 2 ** (restarts - 1)
-      why = ("was preempted and saved a checkpoint"
-             if code == PREEMPTED_EXIT_CODE else f"exited with code {code}")
-      self._log(f"{failed} {why}; restarting the job in "
+      self._log(f"{failed} exited with code {code}; restarting the job in "
                 f"{delay:.1f}s (restart {restarts} of "
                 f"{self._args.max_restarts}).")
       if self._sleep(delay):
@@ -203,7 +207,7 @@ class Launcher:
         self._job.signal_role("chief", signal.SIGTERM)
         time.sleep(1.0)
         self._job.signal_role("chief", signal.SIGTERM)
-        self._job.wait_role("chief")
+        self._job.wait_role("chief", self._args.stop_grace_seconds)
         return code, "every worker"
       restarts[task.name] = used + 1
       delay = self._args.backoff_seconds * 2 ** used

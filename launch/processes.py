@@ -25,13 +25,22 @@ def write_line(out, text):
     out.flush()
 
 
+def _load_libc():
+  try:
+    return ctypes.CDLL("libc.so.6", use_errno=True)
+  except OSError:
+    return None  # Not Linux: Job.stop() still ends every task.
+
+
+# Resolved once, here in the parent: a dlopen in a forked child, with
+# other threads alive, can deadlock on the loader's lock.
+_LIBC = _load_libc()
+
+
 def _die_with_parent():
   """In the child: get SIGKILL if the launcher dies, so none is orphaned."""
-  try:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-  except OSError:
-    pass  # Not Linux: Job.stop() still ends every task.
+  if _LIBC is not None:
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class _Task:
@@ -97,9 +106,18 @@ class Job:
       if task.spec.role == role and task.process.poll() is None:
         task.process.send_signal(signum)
 
-  def wait_role(self, role):
+  def wait_role(self, role, timeout):
+    """Waits for the tasks of `role`; SIGKILL to any still running after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
     for task in self.tasks:
-      if task.spec.role == role:
+      if task.spec.role != role:
+        continue
+      try:
+        task.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+      except subprocess.TimeoutExpired:
+        self._log(f"{task.name} did not stop within {timeout:g}s; SIGKILL")
+        task.process.kill()
         task.process.wait()
 
   def _serving_roles(self):

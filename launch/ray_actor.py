@@ -7,6 +7,7 @@ workers by value, so they need no tfdist install on the node.
 """
 
 import collections
+import functools
 import os
 import queue
 import shutil
@@ -29,16 +30,29 @@ _PR_SET_PDEATHSIG = 1
 ACTOR_LOST_CODE = -signal.SIGKILL
 
 
-def prepare_child():
+def load_libc():
+  """libc, resolved in the parent: a dlopen in a forked child, with other
+  threads alive, can deadlock on the loader's lock. None if not Linux."""
+  import ctypes
+  try:
+    return ctypes.CDLL("libc.so.6", use_errno=True)
+  except OSError:
+    return None
+
+
+def child_preparer():
+  """A preexec_fn for Popen, with libc resolved here, before the fork."""
+  return functools.partial(prepare_child, load_libc())
+
+
+def prepare_child(libc):
   """In a child forked in a Ray worker: die with the forking thread (the
   actor's spawner, or a Tune trial's), and take back the signals that
   Ray's worker threads block or ignore (both survive exec, so a forwarded
   Ctrl-C or SIGTERM would do nothing)."""
   import ctypes
   signal.pthread_sigmask(signal.SIG_SETMASK, set())
-  try:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-  except OSError:
+  if libc is None:
     return
   libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
   for signum in (signal.SIGINT, signal.SIGTERM):
@@ -67,7 +81,7 @@ class TaskActor:
         reply.put(subprocess.Popen(
             argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=prepare_child))
+            start_new_session=True, preexec_fn=child_preparer()))
       except OSError as e:
         reply.put(e)
 

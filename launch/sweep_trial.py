@@ -18,7 +18,7 @@ from ray import tune
 
 # A function, not the module: it travels by value with this one (Tune's
 # workers need not import the launcher's package).
-from .ray_actor import prepare_child
+from .ray_actor import child_preparer
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -81,7 +81,7 @@ def run_trial(params, *, fixed, trials_dir, workers, cwd, poll_seconds=0.5):
   with open(log_path, "ab") as log:
     process = subprocess.Popen(
         command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, preexec_fn=prepare_child,
+        stdin=subprocess.DEVNULL, preexec_fn=child_preparer(),
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
       while True:

@@ -144,6 +144,40 @@ def test_a_taken_port_relaunches_without_using_a_restart(tmp_path):
   assert log.count("started worker:1") == 2
 
 
+def test_a_preemption_resumes_without_using_a_restart(tmp_path):
+  # worker:1 is preempted (saved, exit 42) twice; --max_restarts=0.
+  count = tmp_path / "attempts"
+  preempted_twice = (
+      f"import os, sys; p = {str(count)!r}; n = os.path.getsize(p) if "
+      f"os.path.exists(p) else 0; open(p, 'a').write('x'); "
+      f"sys.exit(42 if n < 2 else 0)")
+  cluster = description.ClusterDescription(workers=2)
+  launcher, out = _launcher(cluster, {"worker:0": _exit_after(0.5, 0),
+                                      "worker:1": preempted_twice},
+                            max_restarts=0)
+  code, _ = _run_with_deadline(launcher, 30)
+  log = out.getvalue()
+  assert code == 0, log
+  assert log.count("worker:1 was preempted and saved a checkpoint; resuming "
+                   "the job (a preemption uses no restart)") == 2, log
+  assert log.count("started worker:1") == 3
+
+
+def test_a_chief_that_ignores_sigterm_after_the_last_worker_is_killed():
+  # Every PS worker is gone; the chief is asked to stop and never does.
+  launcher, out = _launcher(PS_JOB, {
+      "chief:0": "import signal, time; signal.signal(signal.SIGTERM, "
+                 "signal.SIG_IGN); time.sleep(600)",
+      "worker:0": _exit_after(0.3, 1), "worker:1": _exit_after(0.3, 1),
+      "ps:0": SERVE}, max_restarts=0)
+  code, seconds = _run_with_deadline(launcher, 60)
+  log = out.getvalue()
+  assert code == 1, log
+  assert "every worker is gone; asking the chief to checkpoint" in log
+  assert "chief:0 did not stop within 5s; SIGKILL" in log
+  assert seconds < 30, log
+
+
 def test_train_exits_43_in_one_line_when_its_port_is_taken(tmp_path):
   with socket.socket() as taken:
     taken.bind(("127.0.0.1", 0))

@@ -59,7 +59,8 @@ def test_sigterm_saves_current_step_then_resumes(tmp_path, data_dir):
   assert os.path.exists(os.path.join(model_dir, f"ckpt-{step}.index"))
   code, output = run.finish()
   assert code == 0, output[-3000:]
-  assert "was preempted and saved a checkpoint; restarting" in output
+  assert ("was preempted and saved a checkpoint; resuming the job (a "
+          "preemption uses no restart)") in output
   assert f"Resumed from {model_dir}/ckpt-{step} at step {step}" in output
   assert artifacts.checkpoint_step(model_dir) == 1500
 

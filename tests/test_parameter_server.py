@@ -132,10 +132,15 @@ def test_sigterm_to_chief_writes_checkpoint(tmp_path, data_dir):
   os.kill(run.pids["chief:0"], signal.SIGTERM)
   line = run.wait_for(lambda l: "preempted (SIGTERM): checkpoint saved" in l)
   step = int(re.search(r"at step (\d+)", line).group(1))
-  code, output = run.finish()
-  assert code == 42, output[-2000:]
   assert step >= 400
   assert artifacts.checkpoint_step(model_dir) == step
+  # A preemption uses no restart (none are allowed here): the job resumes.
+  run.wait_for(lambda l: f"Resumed from {model_dir}/ckpt-{step} at step "
+               f"{step}" in l)
+  run.proc.send_signal(signal.SIGTERM)
+  code, output = run.finish()
+  assert code == 128 + signal.SIGTERM, output[-2000:]
+  assert "resuming the job (a preemption uses no restart)" in output
 
 
 def test_embedding_is_sharded_across_ps_tasks(tmp_path, data_dir):

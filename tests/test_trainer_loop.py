@@ -22,8 +22,8 @@ class FakeRunner:
     self._global_step = global_step
     self._bad_step = bad_step
 
-  def watch_preemption(self, *, save_fn, step_fn):
-    del save_fn, step_fn
+  def watch_preemption(self, *, save_fn, step_fn, grace_seconds):
+    del save_fn, step_fn, grace_seconds
 
   def make_iterator(self, input_fn):
     return input_fn

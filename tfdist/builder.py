@@ -228,4 +228,8 @@ def build_trainer(config, info, task, *, write_dir):
       learning_rate=lambda step: optimizers.scheduled_rate(step, **schedule),
       replica_checker=checker, export_fn=export_now,
       after_restore=after_restore, hparams=config.to_dict(),
-      startup_scalars=startup_scalars)
+      startup_scalars=startup_scalars,
+      chief_broadcast=(replica_check.ChiefBroadcast(
+          strategy=strategy, variables=[
+              *model.weights, *optimizer.variables, global_step])
+                       if info.peers else None))

@@ -38,6 +38,9 @@ class LoopSums:
   examples: float = 0.0  # Eval only: real (weight 1) examples.
   first_nonfinite: Optional[int] = None  # Step offset within these sums.
   metric_states: Optional[List[List[np.ndarray]]] = None
+  # Some task got SIGTERM: every task stops after this call (the flag
+  # travels in the reduced vector, so all of them see it at once).
+  stop: bool = False
 
   def add(self, other: "LoopSums") -> "LoopSums":
     first = self.first_nonfinite
@@ -49,7 +52,8 @@ class LoopSums:
     return LoopSums(steps=self.steps + other.steps,
                     loss_sum=self.loss_sum + other.loss_sum,
                     examples=self.examples + other.examples,
-                    first_nonfinite=first, metric_states=states)
+                    first_nonfinite=first, metric_states=states,
+                    stop=self.stop or other.stop)
 
 
 class Metrics:
@@ -255,30 +259,31 @@ class LoopFunctions:
       return False, None
     return step >= start, (start if step < start else None)
 
-  def train_steps(self, iterator, num_steps, compressed):
+  def train_steps(self, iterator, num_steps, compressed, stop):
     """`num_steps` replica steps; returns the packed, reduced sums.
     `compressed` (a Python bool, so a second trace) picks the reducer's
-    compressed all-reduce."""
+    compressed all-reduce. `stop` (a float tensor, 1 after SIGTERM) rides
+    in the reduced vector."""
     run = self._strategy.run
     state = run(self.train_zeros)
     for index in tf.range(num_steps):
       state = run(self.train_step,
                   args=(next(iterator), state, index, compressed))
-    return self._reduce(self.pack_train, state)
+    return self._reduce(self.pack_train, state, stop)
 
-  def eval_steps(self, iterator, num_steps):
+  def eval_steps(self, iterator, num_steps, stop):
     run = self._strategy.run
     state = run(self.eval_zeros)
     for _ in tf.range(num_steps):
       state = run(self.eval_step, args=(next(iterator), state))
-    return self._reduce(self.pack_eval, state)
+    return self._reduce(self.pack_eval, state, stop)
 
   def count_steps(self, num_steps):
     """Adds to the global step (atomic, even on a parameter server)."""
     self._global_step.assign_add(tf.cast(num_steps, tf.int64))
 
-  def _reduce(self, pack, state):
-    packed = self._strategy.run(pack, args=(state,))
+  def _reduce(self, pack, state, stop):
+    packed = self._strategy.run(pack, args=(state, stop))
     return self._strategy.reduce(SUM, packed, axis=None)
 
   # Packing: one float vector per call -----------------------------------
@@ -288,19 +293,21 @@ class LoopFunctions:
             for state in states for v in state]
 
   @_PLAIN
-  def pack_train(self, state):
+  def pack_train(self, state, stop=0.0):
     # The first bad step as a one-hot, so a SUM over replicas keeps it;
     # slot steps_per_loop means "none".
     bad = tf.where(state.first_nonfinite < 0, self._steps_per_loop,
                    state.first_nonfinite)
     return tf.concat([tf.reshape(state.loss, [1]),
                       tf.one_hot(bad, self._steps_per_loop + 1),
+                      tf.reshape(tf.cast(stop, tf.float32), [1]),
                       *self._pack_metrics(state.metrics)], 0)
 
   @_PLAIN
-  def pack_eval(self, state):
+  def pack_eval(self, state, stop=0.0):
     return tf.concat([tf.reshape(state.loss, [1]),
                       tf.reshape(state.examples, [1]),
+                      tf.reshape(tf.cast(stop, tf.float32), [1]),
                       *self._pack_metrics(state.metrics)], 0)
 
   def _unpack_metrics(self, vector):
@@ -318,14 +325,15 @@ class LoopFunctions:
   def unpack_train(self, vector, num_steps) -> LoopSums:
     vector = np.asarray(vector, np.float64)
     bad = np.flatnonzero(vector[1:1 + self._steps_per_loop])
+    stop_slot = 2 + self._steps_per_loop
     return LoopSums(
         steps=num_steps, loss_sum=float(vector[0]),
         first_nonfinite=int(bad[0]) if bad.size else None,
-        metric_states=self._unpack_metrics(
-            vector[2 + self._steps_per_loop:]))
+        stop=bool(vector[stop_slot] > 0),
+        metric_states=self._unpack_metrics(vector[stop_slot + 1:]))
 
   def unpack_eval(self, vector, num_steps) -> LoopSums:
     vector = np.asarray(vector, np.float64)
     return LoopSums(steps=num_steps, loss_sum=float(vector[0]),
-                    examples=float(vector[1]),
-                    metric_states=self._unpack_metrics(vector[2:]))
+                    examples=float(vector[1]), stop=bool(vector[2] > 0),
+                    metric_states=self._unpack_metrics(vector[3:]))

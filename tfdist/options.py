@@ -191,6 +191,10 @@ OPTIONS = (
           "Collective implementation.", "multi_worker"),
     _o("bytes_per_pack", 0, "Pack gradients into chunks of this many bytes "
        "per all-reduce; 0: one pack.", "multi_worker", minimum=0),
+    _o("sigterm_grace_seconds", 25.0, "After SIGTERM, exit within this "
+       "many seconds even if the peers never answer (a checkpoint being "
+       "written is waited for); keep it below the platform's grace "
+       "(Kubernetes: 30 s).", "loop", above=0),
     _o("collective_timeout", 0.0, "Seconds before a collective that a peer "
        "does not answer fails; 0: no timeout.", "multi_worker", minimum=0),
     _enum("allreduce_dtype", "float32", ("float32", "float16", "bfloat16"),

@@ -1,19 +1,27 @@
-"""SIGTERM → checkpoint → distinct exit, agreed across all workers.
+"""SIGTERM → checkpoint → exit 42, agreed across all workers, bounded in time.
 
-TF's PreemptionCheckpointHandler does the cluster-wide agreement: the worker
-that gets SIGTERM tells its peers at which loop call to stop, so every worker
-saves at the same step and none is left waiting in a collective. It is given
-a throw-away checkpoint to restore and track, so it never touches the run's
-own checkpoints (tfdist.checkpoints restores those, skipping corrupt ones).
+tfdist does its own agreement, on every platform. (TF's
+PreemptionCheckpointHandler stops acting on SIGTERM on GCE and GKE CPU
+machines, which it detects through the metadata server, and waits without
+bound for peers that never answer.) SIGTERM sets a flag; the next loop
+call carries it in the vector it already all-reduces, so every worker
+learns of it at the same step, saves there and exits with
+PREEMPTED_EXIT_CODE. A watchdog makes the task exit by itself when no
+agreement comes within the grace period (a peer gone or stalled).
 """
 
+import contextlib
+import os
 import signal
-import tempfile
-
-import tensorflow as tf
+import sys
+import threading
+import time
 
 from tfdist.errors import PREEMPTED_EXIT_CODE
 from tfdist.errors import TfdistError
+
+# The exit code of a task that got SIGTERM and could not save in time.
+UNSAVED_EXIT_CODE = 128 + signal.SIGTERM
 
 
 class PreemptedError(TfdistError):
@@ -22,32 +30,49 @@ class PreemptedError(TfdistError):
   exit_code = PREEMPTED_EXIT_CODE
 
 
-class PreemptionGuard:
-  """Runs loop calls under TF's handler; `save_fn()` writes the checkpoint."""
+class SigtermFlag:
+  """Catches SIGTERM; `requested` is read by each loop call. After
+  `grace_seconds` without an exit, a watchdog ends the process with
+  UNSAVED_EXIT_CODE, unless a checkpoint is being written (it waits for
+  that to finish)."""
 
-  def __init__(self, *, cluster_resolver, save_fn, step_fn):
-    self._save_fn = save_fn
-    self._step_fn = step_fn
-    # Never written to (save_fn replaces the handler's own save); removed
-    # with this object.
-    self._scratch_dir = tempfile.TemporaryDirectory(prefix="tfdist-preempt-")
-    scratch = tf.train.CheckpointManager(
-        tf.train.Checkpoint(), self._scratch_dir.name, max_to_keep=1)
-    self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
-        cluster_resolver, scratch,
-        termination_config=tf.distribute.experimental.TerminationConfig(
-            save_fn=self._save, exit_fn=self._exit, grace_period=0))
+  def __init__(self, *, grace_seconds, task_name="this task",
+               on_repeat=None):
+    self._grace_seconds = grace_seconds
+    self._task_name = task_name
+    self._on_repeat = on_repeat  # Called on the second SIGTERM.
+    self._saving = threading.Lock()
+    self.requested = False
+    signal.signal(signal.SIGTERM, self._on_sigterm)
 
-  def _save(self, *unused_args, **unused_kwargs):
-    self._save_fn()
+  def _on_sigterm(self, signum, frame):
+    del signum, frame
+    if self.requested:
+      if self._on_repeat:
+        self._on_repeat()
+      return
+    self.requested = True
+    threading.Thread(target=self._watchdog, daemon=True,
+                     name="tfdist-sigterm-watchdog").start()
 
-  def _exit(self):
+  def _watchdog(self):
+    time.sleep(self._grace_seconds)
+    with self._saving:  # A checkpoint being written is worth waiting for.
+      sys.stderr.write(
+          f"tfdist: error: {self._task_name} got SIGTERM and could not "
+          f"stop at an agreed step within {self._grace_seconds:g}s (a peer "
+          "is gone or stalled); exiting with code "
+          f"{UNSAVED_EXIT_CODE}, without a new checkpoint.\n")
+      sys.stderr.flush()
+      os._exit(UNSAVED_EXIT_CODE)  # pylint: disable=protected-access
+
+  def save_and_stop(self, save_fn, step_fn):
+    """Saves (the watchdog waits meanwhile) and raises PreemptedError."""
+    with self._saving:
+      save_fn()
     raise PreemptedError(
-        f"preempted (SIGTERM): checkpoint saved at step {self._step_fn()}; "
+        f"preempted (SIGTERM): checkpoint saved at step {step_fn()}; "
         f"exiting with code {PREEMPTED_EXIT_CODE} so the launcher resumes.")
-
-  def run(self, fn, *args):
-    return self._handler.run(fn, *args)
 
 
 class SigtermGuard:
@@ -56,35 +81,35 @@ class SigtermGuard:
 
   If no worker is left to finish the scheduled steps, the join never
   returns; a second SIGTERM (the launcher sends one when every worker is
-  gone) saves at once, with the steps counted so far, and stops.
+  gone) that comes while the chief waits in the join saves at once, with
+  the steps counted so far, and stops. Anywhere else (a checkpoint being
+  written, say) the second SIGTERM changes nothing: the main thread gets
+  to the next check by itself.
   """
 
-  def __init__(self, *, save_fn, step_fn):
+  def __init__(self, *, save_fn, step_fn, grace_seconds):
     self._save_fn = save_fn
     self._step_fn = step_fn
-    self._signalled = False
-    signal.signal(signal.SIGTERM, self._on_sigterm)
+    self._joining = False
+    self._flag = SigtermFlag(grace_seconds=grace_seconds,
+                             task_name="the chief",
+                             on_repeat=self._on_repeat)
 
-  def _on_sigterm(self, signum, frame):
-    del signum, frame
-    if self._signalled:
-      self._save_and_exit()
-    self._signalled = True
+  def _on_repeat(self):
+    if self._joining:
+      self._joining = False
+      self._flag.save_and_stop(self._save_fn, self._step_fn)
 
-  def _save_and_exit(self):
-    self._save_fn()
-    raise PreemptedError(
-        f"preempted (SIGTERM): checkpoint saved at step "
-        f"{self._step_fn()}; exiting with code {PREEMPTED_EXIT_CODE}.")
+  @contextlib.contextmanager
+  def joining(self):
+    """Marks the wait for scheduled steps, the one wait that may never
+    end."""
+    self._joining = True
+    try:
+      yield
+    finally:
+      self._joining = False
 
   def save_and_exit_if_signalled(self):
-    if self._signalled:
-      self._save_and_exit()
-
-
-class NoGuard:
-  """For synchronous strategies TF's handler does not support (TPU). PS
-  coordinators use SigtermGuard."""
-
-  def run(self, fn, *args):
-    return fn(*args)
+    if self._flag.requested:
+      self._flag.save_and_stop(self._save_fn, self._step_fn)

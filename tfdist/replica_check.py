@@ -1,7 +1,9 @@
-"""--check_replicas_every: prove every replica holds the same weights.
+"""Every replica holds the same state.
 
-Each replica checksums its own copy of every variable; the checksums are
-all-gathered, and any replica that differs from replica 0 is named.
+--check_replicas_every proves it: each replica checksums its own copy of
+every variable; the checksums are all-gathered, and any replica that
+differs from replica 0 is named. After a restore, ChiefBroadcast makes it
+so.
 """
 
 import numpy as np
@@ -51,3 +53,53 @@ class ReplicaChecker:
             f"replica check at step {step}: worker {worker} (replica "
             f"{replica}) diverged from replica 0 in {differs.size} "
             f"variable(s): {names}; training stopped.")
+
+
+class ChiefBroadcast:
+  """Gives every worker replica 0's values of `variables` (the chief's).
+
+  After a restore, workers may hold different states: without a shared
+  disk, the chief finds ckpt-100 in its model_dir while a worker finds
+  none and starts at step 0. As Horovod and DDP do after a restore, the
+  chief's state (weights, optimizer slots, step) is sent to every worker,
+  so that none trains on a state of its own. One SUM all-reduce in which
+  every replica but replica 0 contributes zeros.
+  """
+
+  def __init__(self, *, strategy, variables):
+    self._strategy = strategy
+    self._variables = list(variables)
+    self._broadcast = tf.function(self._reduced_values)
+
+  def _from_replica_zero(self):
+    context = tf.distribute.get_replica_context()
+    is_source = tf.equal(context.replica_id_in_sync_group, 0)
+    # A Keras variable's `value` is a property; a tf.Variable's a method.
+    values = [v.read_value() if callable(getattr(v, "value", None))
+              else tf.convert_to_tensor(v.value) for v in self._variables]
+    contributed = [tf.where(is_source, value, tf.zeros_like(value))
+                   for value in values]
+    # One all-reduce per dtype: packed reductions take one dtype.
+    reduced = [None] * len(values)
+    for dtype in {value.dtype for value in values}:
+      indices = [i for i, value in enumerate(values) if value.dtype == dtype]
+      sums = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                [contributed[i] for i in indices])
+      for i, total in zip(indices, sums):
+        reduced[i] = total
+    return reduced
+
+  def _reduced_values(self):
+    return self._strategy.run(self._from_replica_zero)
+
+  def run(self):
+    """Assigns the chief's values here; returns the variables' paths that
+    differed from this worker's own."""
+    reduced = self._broadcast()
+    changed = []
+    for variable, value in zip(self._variables, reduced):
+      local = self._strategy.experimental_local_results(value)[0]
+      if not np.array_equal(np.asarray(variable.numpy()), local.numpy()):
+        changed.append(getattr(variable, "path", variable.name))
+        variable.assign(local)
+    return changed

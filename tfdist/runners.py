@@ -28,8 +28,9 @@ class Runner(Protocol):
   # stream (synchronous training); False gives each worker its own order.
   same_data_everywhere: bool
 
-  def watch_preemption(self, *, save_fn, step_fn) -> None:
-    """On SIGTERM: call save_fn, then stop with PreemptedError."""
+  def watch_preemption(self, *, save_fn, step_fn, grace_seconds) -> None:
+    """On SIGTERM: call save_fn, then stop with PreemptedError; exit
+    within `grace_seconds` whatever happens."""
 
   def make_iterator(self, input_fn):
     """An iterator over the distributed dataset of `input_fn`."""
@@ -79,20 +80,21 @@ class SyncRunner:
     self._preemptible = preemptible
     self._task_name = task_name
     self._peers = peers
-    self._guard = preemption.NoGuard()
+    self._sigterm = None
+    self._save_fn = self._step_fn = None
 
-  def watch_preemption(self, *, save_fn, step_fn):
+  def watch_preemption(self, *, save_fn, step_fn, grace_seconds):
     """On SIGTERM: save and exit, at the same step on every worker."""
     if self._preemptible:
-      self._guard = preemption.PreemptionGuard(
-          cluster_resolver=getattr(self._strategy, "cluster_resolver", None),
-          save_fn=save_fn, step_fn=step_fn)
+      self._sigterm = preemption.SigtermFlag(grace_seconds=grace_seconds,
+                                             task_name=self._task_name)
+      self._save_fn, self._step_fn = save_fn, step_fn
 
   def make_iterator(self, input_fn):
     return iter(self._strategy.distribute_datasets_from_function(input_fn))
 
-  def _counted_train_steps(self, iterator, num_steps, compressed):
-    sums = self._loops.train_steps(iterator, num_steps, compressed)
+  def _counted_train_steps(self, iterator, num_steps, stop, compressed):
+    sums = self._loops.train_steps(iterator, num_steps, compressed, stop)
     self._loops.count_steps(num_steps)
     return sums
 
@@ -106,18 +108,28 @@ class SyncRunner:
       train = functools.partial(self._train, compressed=compressed)
       for size in _chunks(until - step, steps_per_call):
         parts.append(self._loops.unpack_train(
-            self._guard.run(self._call, train, iterator, size), size))
+            self._call(train, iterator, size), size))
+        self._stop_if_agreed(parts[-1])
       step = until
     return combine(parts)
 
   def evaluate(self, input_fn, num_steps):
-    return self._loops.unpack_eval(
+    sums = self._loops.unpack_eval(
         self._call(self._eval, self.make_iterator(input_fn), num_steps),
         num_steps)
+    self._stop_if_agreed(sums)
+    return sums
+
+  def _stop_if_agreed(self, sums):
+    """Every task sees the same `stop`, after the same call."""
+    if sums.stop and self._sigterm:
+      self._sigterm.save_and_stop(self._save_fn, self._step_fn)
 
   def _call(self, loop_fn, iterator, num_steps):
+    stop = float(bool(self._sigterm and self._sigterm.requested))
     try:
-      return loop_fn(iterator, tf.constant(num_steps, tf.int32)).numpy()
+      return loop_fn(iterator, tf.constant(num_steps, tf.int32),
+                     tf.constant(stop, tf.float32)).numpy()
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
             tf.errors.AbortedError) as e:
       if not self._peers:
@@ -147,9 +159,10 @@ class ParameterServerRunner:
     self._train = tf.function(self._plain_train_steps)
     self._local_eval = tf.function(self._local_eval_steps)
 
-  def watch_preemption(self, *, save_fn, step_fn):
-    """TF's handler does not support PS: SIGTERM is checked after joins."""
-    self._guard = preemption.SigtermGuard(save_fn=save_fn, step_fn=step_fn)
+  def watch_preemption(self, *, save_fn, step_fn, grace_seconds):
+    """SIGTERM is checked after joins (workers run on asynchronously)."""
+    self._guard = preemption.SigtermGuard(save_fn=save_fn, step_fn=step_fn,
+                                          grace_seconds=grace_seconds)
 
   def make_iterator(self, input_fn):
     def per_worker_dataset():
@@ -170,7 +183,11 @@ class ParameterServerRunner:
           self._train,
           args=(iterator, tf.constant(size, tf.int32))), size)
                    for size in _chunks(num_steps, steps_per_call)]
-      self._coordinator.join()
+      if self._guard:
+        with self._guard.joining():
+          self._coordinator.join()
+      else:
+        self._coordinator.join()
       results = [(remote.fetch(), size) for remote, size in scheduled]
     except tf.errors.OpError as e:
       # Worker failures are retried by the coordinator; what reaches here
@@ -184,14 +201,15 @@ class ParameterServerRunner:
                    for vector, size in results)
 
   def _plain_train_steps(self, iterator, num_steps):
-    return self._loops.train_steps(iterator, num_steps, compressed=False)
+    return self._loops.train_steps(iterator, num_steps, compressed=False,
+                                   stop=0.0)
 
   def _local_eval_steps(self, iterator, num_steps):
     loops = self._loops
     state = loops.eval_zeros()
     for _ in tf.range(num_steps):
       state = loops.eval_step(next(iterator), state)
-    return loops.pack_eval(state)
+    return loops.pack_eval(state, 0.0)
 
   def evaluate(self, input_fn, num_steps):
     """Exact eval on the coordinator: one pipeline, every example once.

@@ -188,7 +188,7 @@ class StrategyKind:
   factory: Callable  # (config, tf_config) -> (strategy, extra StrategyInfo)
   runner: str  # "sync" or "parameter_server": see tfdist.runners.
   hosts_model_parallel: bool  # One replica may span several local devices.
-  preemptible: bool  # TF's PreemptionCheckpointHandler supports it.
+  preemptible: bool  # SIGTERM saves and exits 42 (tfdist.preemption); TPU is untested.
 
 
 # The one table of strategies. TensorFlow is imported inside the factories,

@@ -43,6 +43,7 @@ class LoopOptions:
   check_replicas_every: int = 0
   profile_steps: Optional[tuple] = None
   seed: int = 42
+  sigterm_grace_seconds: float = 25.0
 
   @classmethod
   def from_config(cls, config):
@@ -86,7 +87,8 @@ class Trainer:
                runner, loops, checkpoints, summaries, inputs, describe,
                learning_rate: Callable[[int], float],
                replica_checker=None, export_fn=None, after_restore=None,
-               hparams: Optional[dict] = None, startup_scalars=None):
+               hparams: Optional[dict] = None, startup_scalars=None,
+               chief_broadcast=None):
     self._options = options
     self.model = model
     self.optimizer = optimizer
@@ -103,10 +105,15 @@ class Trainer:
     self._after_restore = after_restore
     self._hparams = hparams or {}
     self._startup_scalars = startup_scalars or {}
+    # Multi-worker: makes every worker take the chief's state after the
+    # restore (tfdist.replica_check.ChiefBroadcast).
+    self._chief_broadcast = chief_broadcast
     self._last_checkpoint = None
     self._iterator, self._iterator_step = None, None
-    runner.watch_preemption(save_fn=lambda: self._save(self.step),
-                            step_fn=lambda: self.step)
+    self._saved_step = None
+    runner.watch_preemption(save_fn=self._save_unless_saved,
+                            step_fn=lambda: self.step,
+                            grace_seconds=options.sigterm_grace_seconds)
 
   # Public --------------------------------------------------------------
 
@@ -139,11 +146,22 @@ class Trainer:
   def restore(self):
     """Restores the newest usable checkpoint in model_dir, if any."""
     restored = self._checkpoints.restore()
+    own_step = self.step
     if restored:
-      logging.info("Resumed from %s at step %d.", restored, self.step)
-      if self._after_restore:
-        self._after_restore()
+      logging.info("Resumed from %s at step %d.", restored, own_step)
+    if self._chief_broadcast:
+      changed = self._chief_broadcast.run()
+      if changed:
+        logging.warning(
+            "This worker restored %s, at step %d; the chief's state differs "
+            "in %d variable(s) (%s...) and is at step %d. Took the chief's "
+            "state: do the workers see the same model_dir?",
+            restored or "no checkpoint", own_step, len(changed),
+            ", ".join(changed[:3]), self.step)
+    if (restored or self.step != own_step) and self._after_restore:
+      self._after_restore()
     self._last_checkpoint = restored
+    self._saved_step = self.step if restored else None
     return restored
 
   def evaluate(self, step):
@@ -253,7 +271,14 @@ class Trainer:
 
   def _save(self, step):
     self._last_checkpoint = self._checkpoints.save(step)
+    self._saved_step = step
     logging.info("Saved checkpoint %s.", self._last_checkpoint)
+
+  def _save_unless_saved(self):
+    """The preemption save: none if this step is saved already (SIGTERM
+    during the final eval)."""
+    if self._saved_step != self.step:
+      self._save(self.step)
 
   def _log_progress(self, step, total, metrics, first_step, loop_started):
     elapsed = time.perf_counter() - loop_started
