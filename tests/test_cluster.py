@@ -26,13 +26,18 @@ def test_build_gives_every_task_its_config_and_isolates_the_evaluator():
               "ps": ["h3:2222"]}
   assert configs[("worker", 1)] == {"cluster": training,
                                     "task": {"type": "worker", "index": 1}}
+  # A PS job: the evaluator learns the ps count (how variables are split).
   assert configs[("evaluator", 0)] == {
-      "cluster": {"evaluator": ["h4:2222"]},
+      "cluster": {"evaluator": ["h4:2222"], **training},
       "task": {"type": "evaluator", "index": 0}}
   for key, config in configs.items():
     parsed = cluster.parse_tf_config(json.dumps(config))
     assert (parsed.task_type, parsed.task_index) == (key[0], config["task"]
                                                      ["index"])
+  # Without ps (MWMS), the evaluator's TF_CONFIG holds only itself.
+  mwms = cluster.build_tf_configs({"worker": ["h1:2222", "h2:2222"],
+                                   "evaluator": ["h4:2222"]})
+  assert mwms[("evaluator", 0)]["cluster"] == {"evaluator": ["h4:2222"]}
 
 
 def test_hosts_with_base_port():

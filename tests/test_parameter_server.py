@@ -144,10 +144,18 @@ def test_sigterm_to_chief_writes_checkpoint(tmp_path, data_dir):
 
 
 def test_embedding_is_sharded_across_ps_tasks(tmp_path, data_dir):
+  """The sidecar evaluator builds the same shards, so it restores them
+  and its eval equals the chief's."""
   proc = run_launcher(
-      ["--chief", "--workers=1", "--ps=2"],
+      ["--chief", "--workers=1", "--ps=2", "--evaluator"],
       _args(tmp_path / "run", data_dir, "--model=embedding_bag",
             "--train_steps=100", "--ps_shard_min_bytes=262144"))
+  sidecar = re.search(r"evaluator:0 \| .*eval  step 100: (.*examples\))",
+                      proc.stdout)
+  chief = re.search(r"chief:0 \| .*eval  step 100: (.*examples\))",
+                    proc.stdout)
+  assert sidecar and chief and sidecar.group(1) == chief.group(1), (
+      proc.stdout[-3000:])
   placement = dict(re.findall(r"placement (ps:\d): \d+ bytes in \d+ "
                               r"variable\(s\): (.*)", proc.stdout))
   assert set(placement) == {"ps:0", "ps:1"}

@@ -92,7 +92,13 @@ def start_tensorflow(config, role, *, tf_config=None,
         # cluster.
         info = strategies.create_strategy(
             dataclasses.replace(config, strategy="default"))
-        info = dataclasses.replace(info, reason="sidecar evaluator")
+        # The variables must be split as the trainer split them, or the
+        # checkpoint's shards would not fit.
+        num_ps = len(tf_config.cluster.get("ps", {})) if tf_config else 0
+        info = dataclasses.replace(
+            info, reason="sidecar evaluator",
+            partitioner=(strategies.partitioner(config, num_ps)
+                         if num_ps else None))
       else:
         info = strategies.create_strategy(config, tf_config=tf_config)
     except tf.errors.UnknownError as e:

@@ -98,7 +98,8 @@ def build_model(config, task, sample):
 
 
 def check_model_fits_data(task, model, sample):
-  """Runs the model and the loss on a few examples, for one-line errors."""
+  """Runs the model and the loss on a few examples, for one-line errors;
+  returns (labels, outputs)."""
   features, labels = sample
   try:
     outputs = model(features, training=False)
@@ -112,6 +113,7 @@ def check_model_fits_data(task, model, sample):
   except Exception as e:  # The loss may raise anything on bad labels.
     raise ConfigError(f"the labels do not fit the loss of "
                       f"{task.display_name!r}: {_first_line(e)}") from None
+  return labels, outputs
 
 
 def _log_ps_placement(model):
@@ -164,8 +166,8 @@ def build_trainer(config, info, task, *, write_dir):
     reducer = compression.create(config, model.trainable_variables)
   if config.allreduce_compression != "none" and info.num_replicas > 1:
     logging.info("%s.", reducer.describe())
-  check_model_fits_data(task, model, sample)
-  metrics = compiled_loops.Metrics(task.metrics())
+  example = check_model_fits_data(task, model, sample)
+  metrics = compiled_loops.Metrics(task.metrics(), example=example)
   loops = compiled_loops.LoopFunctions(
       strategy=strategy, model=model, optimizer=optimizer, task=task,
       metrics=metrics, global_batch_size=config.batch_size,

@@ -168,8 +168,10 @@ def build_tf_configs(cluster: Mapping[str, Sequence[str]]
                      ) -> Dict[Tuple[str, int], dict]:
   """TF_CONFIG for every task of a cluster, keyed by (role, index).
 
-  The evaluator's TF_CONFIG holds only itself, so it never joins the
-  training cluster (tensorflow/tensorflow#46169).
+  The evaluator's TF_CONFIG holds only itself (tensorflow/tensorflow#46169:
+  an evaluator must not join an MWMS cluster), except in a PS job: there
+  it also lists the training cluster, whose ps count says how the trainer
+  split big variables. tfdist's evaluator never connects to any of them.
   """
   normalized = validate_cluster(
       {role: list(addrs) for role, addrs in cluster.items() if addrs})
@@ -179,7 +181,10 @@ def build_tf_configs(cluster: Mapping[str, Sequence[str]]
   configs = {}
   for role, tasks in normalized.items():
     for index, address in sorted(tasks.items()):
-      own = {"evaluator": [address]} if role == "evaluator" else training
+      own = training
+      if role == "evaluator":
+        own = {"evaluator": [address],
+               **(training if "ps" in training else {})}
       configs[(role, index)] = {
           "cluster": own,
           "task": {"type": role, "index": 0 if role == "evaluator" else index},

@@ -59,8 +59,14 @@ class LoopSums:
 class Metrics:
   """A task's Keras metrics, updated statelessly and reduced as sums."""
 
-  def __init__(self, metrics):
+  def __init__(self, metrics, *, example=None):
+    """`example`: (labels, outputs) of a few examples, to build metrics
+    that create their state on first use."""
     self._metrics = list(metrics)
+    for metric in self._metrics:
+      if not metric.variables and example is not None:
+        metric.update_state(*_with_example_axis(*example))
+        metric.reset_state()
     names = [m.name for m in self._metrics]
     if len(set(names)) != len(names) or {"loss", "examples"} & set(names):
       raise ConfigError(f"metric names must be unique and not 'loss' or "
@@ -104,6 +110,7 @@ class TrainState(NamedTuple):
 
 
 class EvalState(NamedTuple):
+  # float64: a float32 count is exact only up to 2**24 examples.
   loss: tf.Tensor
   examples: tf.Tensor
   metrics: list
@@ -196,17 +203,28 @@ class LoopFunctions:
 
     variables = self._model.trainable_variables
     zeros = [tf.zeros_like(v) for v in variables]
+    # Variables the loss does not reach have None gradients, as without
+    # accumulation: found when the body is traced (once).
+    unreached = set()
 
     def body(i, loss, grads, states):
       step_loss, step_grads, states = self._gradients(
           micro(features, i), micro(labels, i), states)
-      grads = [g + tf.convert_to_tensor(s) for g, s in zip(grads, step_grads)]
-      return i + 1, loss + step_loss, grads, states
+      summed = []
+      for index, (total, grad) in enumerate(zip(grads, step_grads)):
+        if grad is None:
+          unreached.add(index)
+          summed.append(total)
+        else:  # An IndexedSlices gradient is added densely here.
+          summed.append(total + tf.convert_to_tensor(grad))
+      return i + 1, loss + step_loss, summed, states
 
     _, loss, grads, states = tf.while_loop(
         lambda i, *_: i < k, body,
         (tf.constant(0), tf.constant(0.0), zeros, metric_states),
         parallel_iterations=1)
+    grads = [None if index in unreached else grad
+             for index, grad in enumerate(grads)]
     return loss, grads, states
 
   @_PLAIN
@@ -233,9 +251,11 @@ class LoopFunctions:
     features, labels, weights = batch
     outputs = self._model(features, training=False)
     per_example = per_example_loss(self._task, labels, outputs)
+    weights = tf.cast(weights, tf.float32)
     return EvalState(
-        state.loss + tf.reduce_sum(per_example * weights),
-        state.examples + tf.reduce_sum(weights),
+        state.loss + tf.cast(tf.reduce_sum(per_example * weights),
+                             tf.float64),
+        state.examples + tf.reduce_sum(tf.cast(weights, tf.float64)),
         self.metrics.update(state.metrics, labels, outputs,
                             sample_weight=weights))
 
@@ -246,8 +266,8 @@ class LoopFunctions:
 
   @_PLAIN
   def eval_zeros(self):
-    return EvalState(tf.constant(0.0), tf.constant(0.0),
-                     self.metrics.zeros())
+    return EvalState(tf.constant(0.0, tf.float64),
+                     tf.constant(0.0, tf.float64), self.metrics.zeros())
 
   # Loops (traced inside a runner's tf.function) --------------------------
 
@@ -288,8 +308,8 @@ class LoopFunctions:
 
   # Packing: one float vector per call -----------------------------------
 
-  def _pack_metrics(self, states):
-    return [tf.reshape(tf.cast(v, tf.float32), [-1])
+  def _pack_metrics(self, states, dtype=tf.float32):
+    return [tf.reshape(tf.cast(v, dtype), [-1])
             for state in states for v in state]
 
   @_PLAIN
@@ -305,10 +325,11 @@ class LoopFunctions:
 
   @_PLAIN
   def pack_eval(self, state, stop=0.0):
+    # float64, so the example count and the loss sum stay exact.
     return tf.concat([tf.reshape(state.loss, [1]),
                       tf.reshape(state.examples, [1]),
-                      tf.reshape(tf.cast(stop, tf.float32), [1]),
-                      *self._pack_metrics(state.metrics)], 0)
+                      tf.reshape(tf.cast(stop, tf.float64), [1]),
+                      *self._pack_metrics(state.metrics, tf.float64)], 0)
 
   def _unpack_metrics(self, vector):
     states, offset = [], 0

@@ -111,7 +111,7 @@ def cluster_resolver(task):
       task_type=task.task_type, task_id=task.task_index, rpc_layer="grpc")
 
 
-def _partitioner(config, num_ps):
+def partitioner(config, num_ps):
   """Splits big variables (embeddings) across the ps tasks."""
   import tensorflow as tf
   partitioners = tf.distribute.experimental.partitioners
@@ -138,7 +138,7 @@ def _parameter_server(config, task):
   strategy = tf.distribute.ParameterServerStrategy(cluster_resolver(task))
   return strategy, {
       "coordinator": tf.distribute.coordinator.ClusterCoordinator(strategy),
-      "partitioner": _partitioner(config, len(task.cluster["ps"]))}
+      "partitioner": partitioner(config, len(task.cluster["ps"]))}
 
 
 def _multi_worker(config, task):
