@@ -129,6 +129,20 @@ def _log_ps_placement(model):
                  len(names[task]), ", ".join(names[task]))
 
 
+def _log_schedule_change(previous, schedule, step):
+  """A resume with another --train_steps moves a decay that runs to the
+  end (decay_steps 0): say what the rate was going to be and what it is."""
+  if previous is None or previous == schedule:
+    return
+  changed = ", ".join(f"{k} {previous.get(k)} -> {v}"
+                      for k, v in schedule.items() if previous.get(k) != v)
+  logging.warning(
+      "The learning-rate schedule changed on resume at step %d: %s. The "
+      "rate there is %.6g (the saved run's schedule gave %.6g).", step,
+      changed, optimizers.scheduled_rate(step, **schedule),
+      optimizers.scheduled_rate(step, **previous))
+
+
 def resolve_task(config, info, task=None):
   """The Task to train: the one given (Python API), else the Config's."""
   if task is not None:
@@ -183,7 +197,8 @@ def build_trainer(config, info, task, *, write_dir):
       keep=config.keep_checkpoints,
       signature=checkpoints.model_signature(
           model_name=task.display_name, model=model,
-          num_classes=getattr(task, "num_classes", None)))
+          num_classes=getattr(task, "num_classes", None)),
+      run_record={"schedule": schedule})
   checker = (replica_check.ReplicaChecker(
       strategy=strategy, variables=model.weights,
       replicas_per_worker=max(info.num_replicas // info.num_workers, 1))
@@ -199,6 +214,8 @@ def build_trainer(config, info, task, *, write_dir):
   def after_restore():
     # PowerSGD's error buffers belong to the run that wrote the checkpoint.
     reducer.reset()
+    _log_schedule_change((store.previous_run or {}).get("schedule"),
+                         schedule, int(global_step.numpy()))
     # A constant rate is a variable in the checkpoint; the flag given now
     # wins. A schedule is a function of the restored step.
     if schedule["schedule"] == "constant" and not schedule["warmup_steps"]:

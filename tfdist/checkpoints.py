@@ -10,6 +10,9 @@ from tfdist import storage
 from tfdist.errors import CheckpointError
 
 SIGNATURE_FILE = "tfdist_model.json"
+# What the last run that saved here was asked for (its schedule), so a
+# resume can say what changed.
+RUN_FILE = "tfdist_run.json"
 # What reading a truncated or corrupt checkpoint raises.
 UNREADABLE = (tf.errors.OpError, IndexError, OSError, EOFError)
 
@@ -39,10 +42,13 @@ def _describe_mismatch(saved, wanted):
 class CheckpointStore:
   """Wraps tf.train.CheckpointManager for one model_dir."""
 
-  def __init__(self, *, checkpoint, model_dir, write_dir, keep, signature):
+  def __init__(self, *, checkpoint, model_dir, write_dir, keep, signature,
+               run_record=None):
     self._checkpoint = checkpoint
     self._model_dir = model_dir
     self._signature = signature
+    self._run_record = run_record
+    self._previous_run = self._read_json(RUN_FILE)
     self._write_dir = write_dir
     self._reader = tf.train.CheckpointManager(checkpoint, model_dir,
                                               max_to_keep=keep)
@@ -50,21 +56,14 @@ class CheckpointStore:
                      tf.train.CheckpointManager(checkpoint, write_dir,
                                                 max_to_keep=1))
 
-  def _check_signature(self):
-    path = storage.join(self._model_dir, SIGNATURE_FILE)
-    if not tf.io.gfile.exists(path):
-      return
-    with tf.io.gfile.GFile(path) as f:
-      saved = json.load(f)
-    if saved != self._signature:
+  def restore(self):
+    """Restores the newest usable checkpoint; returns its path or None."""
+    saved = self._read_json(SIGNATURE_FILE)
+    if saved is not None and saved != self._signature:
       raise CheckpointError(
           f"model_dir {self._model_dir} holds checkpoints of "
           f"{_describe_mismatch(saved, self._signature)}; use another "
           "--model_dir (nothing was changed).")
-
-  def restore(self):
-    """Restores the newest usable checkpoint; returns its path or None."""
-    self._check_signature()
     candidates = list(reversed(self._reader.checkpoints))
     for path in candidates:
       try:
@@ -117,11 +116,25 @@ class CheckpointStore:
           f"{self._manager.latest_checkpoint or '(none)'} is still the "
           "latest. Free space and run the same command to resume.") from None
     if self._write_dir == self._model_dir:
-      self._write_signature()
+      if not tf.io.gfile.exists(storage.join(self._model_dir,
+                                             SIGNATURE_FILE)):
+        self._write_json(SIGNATURE_FILE, self._signature)
+      if self._run_record is not None:
+        self._write_json(RUN_FILE, self._run_record)
     return path
 
-  def _write_signature(self):
-    path = storage.join(self._model_dir, SIGNATURE_FILE)
+  @property
+  def previous_run(self):
+    """The run record of the run that saved here last, or None."""
+    return self._previous_run
+
+  def _read_json(self, name):
+    path = storage.join(self._model_dir, name)
     if not tf.io.gfile.exists(path):
-      with tf.io.gfile.GFile(path, "w") as f:
-        json.dump(self._signature, f, indent=1, sort_keys=True)
+      return None
+    with tf.io.gfile.GFile(path) as f:
+      return json.load(f)
+
+  def _write_json(self, name, value):
+    with tf.io.gfile.GFile(storage.join(self._model_dir, name), "w") as f:
+      json.dump(value, f, indent=1, sort_keys=True)

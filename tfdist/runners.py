@@ -218,6 +218,8 @@ class ParameterServerRunner:
     """
     dataset = input_fn(tf.distribute.InputContext())
     vector = self._local_eval(iter(dataset), tf.constant(num_steps, tf.int32))
+    if self._guard:  # A SIGTERM that came during the eval.
+      self._guard.save_and_exit_if_signalled()
     return self._loops.unpack_eval(vector.numpy(), num_steps)
 
 
