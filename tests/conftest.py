@@ -116,6 +116,43 @@ class LauncherProcess:
 
 
 @pytest.fixture
+def gce_metadata():
+  """A fake GCE metadata server on loopback: "host:port" for
+  GCE_METADATA_IP. With it, TensorFlow believes it runs on a GCE VM (its
+  preemption handler asks the server, as on GCE and GKE nodes)."""
+  import http.server
+  import threading
+
+  class Metadata(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # pylint: disable=invalid-name
+      body = (b"NONE" if self.path.endswith("maintenance-event")
+              else b"tfdist-test-vm")
+      self.send_response(200)
+      self.send_header("Metadata-Flavor", "Google")
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  address = f"127.0.0.1:{server.server_address[1]}"
+  # The test's premise: TensorFlow's own check says "on GCP".
+  check = subprocess.run(
+      [sys.executable, "-c", "from tensorflow.python.distribute."
+       "failure_handling import failure_handling_util as u; "
+       "print(u.on_gcp())"], capture_output=True, text=True, timeout=120,
+      env={**os.environ, "GCE_METADATA_IP": address})
+  assert check.stdout.strip().endswith("True"), check.stdout + check.stderr
+  try:
+    yield address
+  finally:
+    server.shutdown()
+
+
+@pytest.fixture
 def netns():
   """A network namespace with only loopback up, as an `ip netns exec`
   prefix; removed afterwards. Ray run there falls back to 127.0.0.1."""

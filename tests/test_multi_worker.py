@@ -43,13 +43,18 @@ def test_sigkilled_worker_restarts_job_and_finishes(tmp_path, data_dir):
 
 
 @pytest.mark.serial
-def test_sigterm_saves_current_step_then_resumes(tmp_path, data_dir):
+def test_sigterm_saves_current_step_then_resumes(tmp_path, data_dir,
+                                                 gce_metadata):
+  """On a machine that looks like a GCE CPU VM (a metadata server that
+  answers), where TF's own preemption handler stops acting on SIGTERM; with
+  no restarts allowed, since a preemption uses none."""
   model_dir = str(tmp_path / "run")
   run = LauncherProcess(
-      ["--workers=2", "--max_restarts=1", "--backoff_seconds=0.2",
-       "--stop_grace_seconds=10"],
+      ["--workers=2", "--max_restarts=0", "--backoff_seconds=0.2",
+       "--stop_grace_seconds=10", "--isolate=off"],
       _train_args(model_dir, data_dir, "--train_steps=1500",
-                  "--checkpoint_every=1000"))
+                  "--checkpoint_every=1000"),
+      env={"GCE_METADATA_IP": gce_metadata})
   run.wait_for(lambda l: "train step 200/1500" in l)
   os.kill(run.pids["worker:1"], signal.SIGTERM)
   saved = run.wait_for(lambda l: "preempted (SIGTERM): checkpoint saved at "

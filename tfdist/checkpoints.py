@@ -136,5 +136,5 @@ class CheckpointStore:
       return json.load(f)
 
   def _write_json(self, name, value):
-    with tf.io.gfile.GFile(storage.join(self._model_dir, name), "w") as f:
-      json.dump(value, f, indent=1, sort_keys=True)
+    storage.write_text(storage.join(self._model_dir, name),
+                       json.dumps(value, indent=1, sort_keys=True))

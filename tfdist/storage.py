@@ -24,6 +24,15 @@ def ensure_writable(path):
   tf.io.gfile.remove(probe)
 
 
+def write_text(path, text):
+  """Writes a whole file. The old one is removed first: ram:// does not
+  truncate a file it opens for writing."""
+  if tf.io.gfile.exists(path):
+    tf.io.gfile.remove(path)
+  with tf.io.gfile.GFile(path, "w") as f:
+    f.write(text)
+
+
 def remove_tree(path):
   """Removes `path` and everything under it, if it exists."""
   if not tf.io.gfile.exists(path):
