@@ -8,6 +8,7 @@ No test here shares the session's prepared data_dir.
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -193,6 +194,7 @@ def test_a_remote_model_dir_for_a_whole_run(tmp_path, monkeypatch):
   common = dict(model="mlp", dataset="digits", data_dir=data_dir,
                 model_dir=model_dir, eval_every=0, checkpoint_every=10,
                 log_every=10, steps_per_loop=10)
+  handler_before = signal.getsignal(signal.SIGTERM)
   first = tfdist.train(train_steps=30, **common)
   assert first.checkpoint == f"{model_dir}/ckpt-30"
   resumed = tfdist.train(train_steps=60, **common)
@@ -215,3 +217,6 @@ def test_a_remote_model_dir_for_a_whole_run(tmp_path, monkeypatch):
   assert correct / total == pytest.approx(
       resumed.eval_metrics["accuracy"], abs=1e-6)
   assert resumed.eval_metrics["accuracy"] > 0.8
+  # The API trained inside this process and gave back its SIGTERM handling.
+  assert signal.getsignal(signal.SIGTERM) is handler_before
+  assert signal.set_wakeup_fd(-1) == -1

@@ -34,7 +34,13 @@ class SigtermFlag:
   """Catches SIGTERM; `requested` is read by each loop call. After
   `grace_seconds` without an exit, a watchdog ends the process with
   UNSAVED_EXIT_CODE, unless a checkpoint is being written (it waits for
-  that to finish)."""
+  that to finish).
+
+  A Python signal handler runs only when the main thread returns to the
+  interpreter, which a task stuck in a collective never does. So a thread
+  also listens on the signal wakeup fd, which CPython writes the moment a
+  signal arrives, and starts the watchdog from there.
+  """
 
   def __init__(self, *, grace_seconds, task_name="this task",
                on_repeat=None):
@@ -42,18 +48,46 @@ class SigtermFlag:
     self._task_name = task_name
     self._on_repeat = on_repeat  # Called on the second SIGTERM.
     self._saving = threading.Lock()
+    self._noted = threading.Lock()
+    self._handled = 0
     self.requested = False
-    signal.signal(signal.SIGTERM, self._on_sigterm)
+    self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+    self._read_end, self._write_end = os.pipe()
+    os.set_blocking(self._write_end, False)
+    self._previous_fd = signal.set_wakeup_fd(self._write_end,
+                                             warn_on_full_buffer=False)
+    threading.Thread(target=self._listen, daemon=True,
+                     name="tfdist-sigterm-listener").start()
+
+  def close(self):
+    """Gives the caller back its SIGTERM handler and wakeup fd (the
+    Python API trains inside someone else's process)."""
+    signal.set_wakeup_fd(self._previous_fd)
+    signal.signal(signal.SIGTERM, self._previous_handler)
+    os.close(self._write_end)  # The listener reads EOF and ends.
+
+  def _listen(self):
+    while True:
+      data = os.read(self._read_end, 64)
+      if not data:
+        os.close(self._read_end)
+        return
+      if signal.SIGTERM in data:
+        self._note()
+
+  def _note(self):
+    """The first SIGTERM: set the flag, start the watchdog (once)."""
+    if self._noted.acquire(blocking=False):
+      self.requested = True
+      threading.Thread(target=self._watchdog, daemon=True,
+                       name="tfdist-sigterm-watchdog").start()
 
   def _on_sigterm(self, signum, frame):
     del signum, frame
-    if self.requested:
-      if self._on_repeat:
-        self._on_repeat()
-      return
-    self.requested = True
-    threading.Thread(target=self._watchdog, daemon=True,
-                     name="tfdist-sigterm-watchdog").start()
+    self._note()
+    self._handled += 1
+    if self._handled > 1 and self._on_repeat:
+      self._on_repeat()
 
   def _watchdog(self):
     time.sleep(self._grace_seconds)
@@ -113,3 +147,6 @@ class SigtermGuard:
   def save_and_exit_if_signalled(self):
     if self._flag.requested:
       self._flag.save_and_stop(self._save_fn, self._step_fn)
+
+  def close(self):
+    self._flag.close()

@@ -9,6 +9,7 @@ brings the results back to the host as LoopSums:
   ClusterCoordinator, then joins, and evaluates on the coordinator itself.
 """
 
+import contextlib
 import functools
 import re
 from typing import Protocol
@@ -28,9 +29,9 @@ class Runner(Protocol):
   # stream (synchronous training); False gives each worker its own order.
   same_data_everywhere: bool
 
-  def watch_preemption(self, *, save_fn, step_fn, grace_seconds) -> None:
-    """On SIGTERM: call save_fn, then stop with PreemptedError; exit
-    within `grace_seconds` whatever happens."""
+  def preemption_watched(self, *, save_fn, step_fn, grace_seconds):
+    """A context: on SIGTERM, call save_fn, then stop with PreemptedError;
+    exit within `grace_seconds` whatever happens."""
 
   def make_iterator(self, input_fn):
     """An iterator over the distributed dataset of `input_fn`."""
@@ -83,12 +84,20 @@ class SyncRunner:
     self._sigterm = None
     self._save_fn = self._step_fn = None
 
-  def watch_preemption(self, *, save_fn, step_fn, grace_seconds):
+  @contextlib.contextmanager
+  def preemption_watched(self, *, save_fn, step_fn, grace_seconds):
     """On SIGTERM: save and exit, at the same step on every worker."""
-    if self._preemptible:
-      self._sigterm = preemption.SigtermFlag(grace_seconds=grace_seconds,
-                                             task_name=self._task_name)
-      self._save_fn, self._step_fn = save_fn, step_fn
+    if not self._preemptible:
+      yield
+      return
+    self._sigterm = preemption.SigtermFlag(grace_seconds=grace_seconds,
+                                           task_name=self._task_name)
+    self._save_fn, self._step_fn = save_fn, step_fn
+    try:
+      yield
+    finally:
+      self._sigterm.close()
+      self._sigterm = None
 
   def make_iterator(self, input_fn):
     return iter(self._strategy.distribute_datasets_from_function(input_fn))
@@ -159,10 +168,16 @@ class ParameterServerRunner:
     self._train = tf.function(self._plain_train_steps)
     self._local_eval = tf.function(self._local_eval_steps)
 
-  def watch_preemption(self, *, save_fn, step_fn, grace_seconds):
+  @contextlib.contextmanager
+  def preemption_watched(self, *, save_fn, step_fn, grace_seconds):
     """SIGTERM is checked after joins (workers run on asynchronously)."""
     self._guard = preemption.SigtermGuard(save_fn=save_fn, step_fn=step_fn,
                                           grace_seconds=grace_seconds)
+    try:
+      yield
+    finally:
+      self._guard.close()
+      self._guard = None
 
   def make_iterator(self, input_fn):
     def per_worker_dataset():

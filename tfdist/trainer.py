@@ -111,9 +111,6 @@ class Trainer:
     self._last_checkpoint = None
     self._iterator, self._iterator_step = None, None
     self._saved_step = None
-    runner.watch_preemption(save_fn=self._save_unless_saved,
-                            step_fn=lambda: self.step,
-                            grace_seconds=options.sigterm_grace_seconds)
 
   # Public --------------------------------------------------------------
 
@@ -126,12 +123,17 @@ class Trainer:
     if self._startup_scalars:
       self._summaries.scalars("train", self.step, self._startup_scalars)
     train_metrics = {}
+    # Only a training run saves on SIGTERM (not a sidecar evaluator).
+    watched = self._runner.preemption_watched(
+        save_fn=self._save_unless_saved, step_fn=lambda: self.step,
+        grace_seconds=options.sigterm_grace_seconds)
     try:
-      if self.step < options.train_steps:
-        train_metrics = self.train(options.train_steps)
-        self._save(self.step)
-      eval_metrics = self.evaluate(self.step)
-      export_dir = self._export_fn() if self._export_fn else None
+      with watched:
+        if self.step < options.train_steps:
+          train_metrics = self.train(options.train_steps)
+          self._save(self.step)
+        eval_metrics = self.evaluate(self.step)
+        export_dir = self._export_fn() if self._export_fn else None
     finally:
       self._summaries.close()
     return RunResult(step=self.step, eval_metrics=eval_metrics,
