@@ -56,9 +56,13 @@ def test_mirrored_matches_default(replicas, reference, tmp_path, data_dir):
                              [v for _, v in reference_curve], rtol=1e-5)
 
 
-def test_two_worker_mwms_matches_default(reference, tmp_path, data_dir):
+@pytest.mark.parametrize("feed", ["auto", "distributed"])
+def test_two_worker_mwms_matches_default(feed, reference, tmp_path,
+                                         data_dir):
+  """Either train feed: a plain iterator per worker (auto, on CPUs) or
+  TF's distributed iterator."""
   model_dir = str(tmp_path / "mwms")
-  _train_multi_worker(model_dir, data_dir, 2)
+  _train_multi_worker(model_dir, data_dir, 2, f"--train_feed={feed}")
   _assert_same_run(model_dir, reference)
   curve = artifacts.scalars(f"{model_dir}/train", "loss")
   reference_curve = artifacts.scalars(f"{reference}/train", "loss")

@@ -92,6 +92,11 @@ def test_file_sharding_resumes_where_it_stopped(digits):
       whole)
 
 
+def test_file_stream_says_it_never_ends(digits):
+  assert _host_pipeline(digits, 1, "file").cardinality() == (
+      tf.data.INFINITE_CARDINALITY)
+
+
 def test_auto_and_bad_requests(digits):
   synthetic = data.load(config_lib.Config(model_dir="unused",
                                           dataset="synthetic"))

@@ -104,6 +104,29 @@ def test_global_batches_do_not_depend_on_topology(hosts, replicas):
     np.testing.assert_array_equal(a, b)
 
 
+def test_train_stream_says_it_never_ends():
+  # So a multi-worker iterator skips its per-step end-of-data all-reduce,
+  # and one CPU replica per process can use a plain iterator (the file
+  # mode: tests/test_input_sharding.py).
+  fn = data.train_input_fn(_numbers_dataset(), global_batch_size=16, seed=3)
+  assert fn(tf.distribute.InputContext()).cardinality() == (
+      tf.data.INFINITE_CARDINALITY)
+
+
+def test_plain_input_only_for_one_cpu_replica_of_a_mirrored_strategy():
+  from tfdist import runners  # pylint: disable=g-import-not-at-top
+  context = runners.plain_input_context(
+      tf.distribute.MirroredStrategy(["/cpu:0"]))
+  assert (context.num_input_pipelines, context.input_pipeline_id,
+          context.num_replicas_in_sync) == (1, 0, 1)
+  # Several local replicas, or no mirrored strategy: TF's iterator.
+  assert runners.plain_input_context(
+      tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])) is None
+  assert runners.plain_input_context(tf.distribute.get_strategy()) is None
+  assert runners.plain_input_context(
+      tf.distribute.OneDeviceStrategy("/cpu:0")) is None
+
+
 @pytest.mark.parametrize("replicas", [1, 2, 4])
 def test_eval_counts_each_example_once(replicas):
   dataset = _numbers_dataset()

@@ -189,7 +189,7 @@ def build_trainer(config, info, task, *, write_dir):
       grad_accum_steps=config.grad_accum_steps, clip_norm=config.clip_norm,
       reducer=reducer,
       jit_compile=preflight.jit_mode(config, info, local))
-  runner = runners.create(info, loops)
+  runner = runners.create(info, loops, train_feed=config.train_feed)
   store = checkpoints.CheckpointStore(
       checkpoint=tf.train.Checkpoint(model=model, optimizer=optimizer,
                                      step=global_step),

@@ -282,13 +282,20 @@ def train_input_fn(dataset: Dataset, *, global_batch_size, seed, start_step=0,
       stream = _example_stream(dataset.train_source,
                                dataset.num_train_examples, seed,
                                start_step * global_batch_size)
-      return _host_slice(stream, context, per_host, None)
-    source, num_examples = dataset.train_files(hosts,
-                                               context.input_pipeline_id)
-    stream = _example_stream(source, num_examples, seed, start_step * per_host)
-    per_replica = context.get_per_replica_batch_size(global_batch_size)
-    return stream.batch(per_host, drop_remainder=True).rebatch(
-        per_replica).prefetch(tf.data.AUTOTUNE)
+      batches = _host_slice(stream, context, per_host, None)
+    else:
+      source, num_examples = dataset.train_files(hosts,
+                                                 context.input_pipeline_id)
+      stream = _example_stream(source, num_examples, seed,
+                               start_step * per_host)
+      per_replica = context.get_per_replica_batch_size(global_batch_size)
+      batches = stream.batch(per_host, drop_remainder=True).rebatch(
+          per_replica).prefetch(tf.data.AUTOTUNE)
+    # Epochs go on for ever; saying so lets a multi-worker iterator skip
+    # its per-step "any data left?" all-reduce, and lets runners.SyncRunner
+    # use a plain iterator.
+    return batches.apply(tf.data.experimental.assert_cardinality(
+        tf.data.INFINITE_CARDINALITY))
   return input_fn
 
 

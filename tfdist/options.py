@@ -191,6 +191,12 @@ OPTIONS = (
           "Collective implementation.", "multi_worker"),
     _o("bytes_per_pack", 0, "Pack gradients into chunks of this many bytes "
        "per all-reduce; 0: one pack.", "multi_worker", minimum=0),
+    _enum("train_feed", "auto", ("auto", "distributed"),
+          "How train batches reach the step. auto: a plain tf.data "
+          "iterator where a process runs one replica on a CPU (TF's "
+          "distributed iterator costs ~60 ms of system CPU per step "
+          "there), TF's distributed iterator elsewhere (GPUs: it "
+          "prefetches to the device); distributed: always TF's.", "loop"),
     _o("sigterm_grace_seconds", 25.0, "After SIGTERM, exit within this "
        "many seconds even if the peers never answer (a checkpoint being "
        "written is waited for); keep it below the platform's grace "

@@ -34,7 +34,7 @@ class Runner(Protocol):
     exit within `grace_seconds` whatever happens."""
 
   def make_iterator(self, input_fn):
-    """An iterator over the distributed dataset of `input_fn`."""
+    """An iterator over the train batches of `input_fn`."""
 
   def run_steps(self, iterator, num_steps, steps_per_call, first_step
                 ) -> compiled_loops.LoopSums:
@@ -67,18 +67,45 @@ def _failed_task(error):
   return f"{found.group(1)}:{found.group(2)}" if found else "a task"
 
 
+def plain_input_context(strategy):
+  """The InputContext of this process when it runs the one replica of a
+  (multi-worker) mirrored strategy on a CPU, else None.
+
+  Such a process feeds its train steps from a plain tf.data iterator, whose
+  batch strategy.run hands to its one replica: TF's distributed iterator
+  costs about 60 ms of system CPU per step on one core
+  (tools/bench_input.py). On GPUs it also prefetches to the device, so they
+  keep it; so do eval passes (finite, padded)."""
+  if not isinstance(strategy, (tf.distribute.MirroredStrategy,
+                               tf.distribute.MultiWorkerMirroredStrategy)):
+    return None
+  devices = strategy.extended.worker_devices
+  if (len(devices) != 1 or
+      tf.DeviceSpec.from_string(devices[0]).device_type != "CPU"):
+    return None
+  # MultiWorkerMirrored's own context (pipelines = workers, this task's
+  # id); MirroredStrategy's is one pipeline.
+  make = getattr(strategy.extended, "_make_input_context", None)
+  if make is not None:
+    return make()
+  return tf.distribute.InputContext(
+      num_input_pipelines=1, input_pipeline_id=0,
+      num_replicas_in_sync=strategy.num_replicas_in_sync)
+
+
 class SyncRunner:
   """Runs loop functions in this process."""
 
   same_data_everywhere = True
 
   def __init__(self, strategy, loops, *, preemptible=True, task_name="local",
-               peers=()):
+               peers=(), plain_feed=True):
     self._strategy = strategy
     self._loops = loops
     self._train = tf.function(self._counted_train_steps)
     self._eval = tf.function(loops.eval_steps)
     self._preemptible = preemptible
+    self._plain_feed = plain_feed  # --train_feed=auto
     self._task_name = task_name
     self._peers = peers
     self._sigterm = None
@@ -100,6 +127,14 @@ class SyncRunner:
       self._sigterm = None
 
   def make_iterator(self, input_fn):
+    context = (plain_input_context(self._strategy) if self._plain_feed
+               else None)
+    if context is not None:
+      dataset = input_fn(context)
+      # A stream that may end keeps TF's iterator, which ends it on every
+      # worker at once.
+      if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        return iter(dataset)
     return iter(self._strategy.distribute_datasets_from_function(input_fn))
 
   def _counted_train_steps(self, iterator, num_steps, stop, compressed):
@@ -123,9 +158,11 @@ class SyncRunner:
     return combine(parts)
 
   def evaluate(self, input_fn, num_steps):
+    # Eval passes keep TF's iterator: finite and padded.
+    iterator = iter(self._strategy.distribute_datasets_from_function(
+        input_fn))
     sums = self._loops.unpack_eval(
-        self._call(self._eval, self.make_iterator(input_fn), num_steps),
-        num_steps)
+        self._call(self._eval, iterator, num_steps), num_steps)
     self._stop_if_agreed(sums)
     return sums
 
@@ -238,7 +275,7 @@ class ParameterServerRunner:
     return self._loops.unpack_eval(vector.numpy(), num_steps)
 
 
-def create(strategy_info, loops):
+def create(strategy_info, loops, *, train_feed="auto"):
   """The runner the strategy table names for `strategy_info.name`."""
   kind = strategies.kind(strategy_info.name)
   if kind.runner == "parameter_server":
@@ -247,4 +284,5 @@ def create(strategy_info, loops):
   return SyncRunner(strategy_info.strategy, loops,
                     preemptible=kind.preemptible,
                     task_name=strategy_info.task_name,
-                    peers=strategy_info.peers)
+                    peers=strategy_info.peers,
+                    plain_feed=train_feed == "auto")

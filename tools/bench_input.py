@@ -8,10 +8,11 @@ ways, each in its own process (in one process, the distributed
 iterator's threads slow the other contenders too), interleaved round by
 round:
 - mirrored, distributed: a one-device MirroredStrategy fed by
-  distribute_datasets_from_function (what tfdist and a hand-written MWMS
-  loop use);
+  distribute_datasets_from_function (what a hand-written MWMS loop uses,
+  and tfdist on GPUs);
 - mirrored, plain: the same strategy fed by a plain tf.data iterator, its
-  batch passed to strategy.run (valid with one replica per process);
+  batch passed to strategy.run (valid with one replica per process; what
+  tfdist does on a CPU, runners.plain_input_context);
 - default: no strategy, a plain iterator.
 Each figure is the median over rounds [min-max]; each ratio is taken per
 round, then summarized the same way. CPU seconds are the contender
