@@ -178,3 +178,30 @@ def test_jit_mode_refuses_several_logical_cpus():
   with pytest.raises(ConfigError, match="Received: jit_compile=True with 2 "
                      "local CPU replicas"):
     preflight.jit_mode(config, info, ["/device:CPU:0", "/device:CPU:1"])
+
+
+def test_eval_counts_exactly_beyond_float32():
+  """float32 counts stop at 2**24 (16.7M examples); the eval sums are
+  float64, in the step and in the packed vector the replicas reduce."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tfdist import compiled_loops  # pylint: disable=g-import-not-at-top
+  from tfdist import task as task_lib  # pylint: disable=g-import-not-at-top
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+  task = task_lib.Task()
+  metrics = compiled_loops.Metrics(
+      [keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+  loops = compiled_loops.LoopFunctions(
+      strategy=tf.distribute.get_strategy(), model=model,
+      optimizer=keras.optimizers.SGD(0.1), task=task, metrics=metrics,
+      global_batch_size=4, steps_per_loop=2,
+      global_step=tf.Variable(0, dtype=tf.int64))
+  big = 2.0**24
+  state = compiled_loops.EvalState(
+      tf.constant(big, tf.float64), tf.constant(big, tf.float64),
+      metrics.zeros())
+  batch = (tf.zeros([4, 2]), tf.zeros([4], tf.int32),
+           tf.constant([1.0, 0.0, 0.0, 0.0]))
+  state = loops.eval_step(batch, state)
+  sums = loops.unpack_eval(loops.pack_eval(state).numpy(), 1)
+  assert sums.examples == big + 1  # float32 would give 2**24.
+  assert sums.stop is False
