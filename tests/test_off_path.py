@@ -7,7 +7,6 @@ No test here shares the session's prepared data_dir.
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,27 +16,9 @@ import pytest
 
 import artifacts
 from conftest import ROOT
-
-USER_MODULE = os.path.join(ROOT, "tests", "user_regression.py")
-COMMON = ["--train_steps=20", "--batch_size=32", "--steps_per_loop=10",
-          "--log_every=10", "--eval_every=0", "--checkpoint_every=0",
-          "--optimizer=sgd", "--learning_rate=0.01"]
-
-
-def _run(cwd, module, args, timeout=300, prefix=()):
-  proc = subprocess.run([*prefix, sys.executable, "-m", module, *args],
-                        cwd=cwd, capture_output=True, text=True,
-                        timeout=timeout)
-  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-  return proc
-
-
-@pytest.fixture(scope="module")
-def outside(tmp_path_factory):
-  """A directory outside the repository holding only the user's module."""
-  path = tmp_path_factory.mktemp("project")
-  shutil.copy(USER_MODULE, path / "mymod.py")
-  return path
+from test_user_task import COMMON
+from test_user_task import _run
+from test_user_task import outside  # noqa: F401  (a fixture)
 
 
 def test_a_first_run_trains_the_same_weights_as_the_next(tmp_path):
@@ -51,7 +32,7 @@ def test_a_first_run_trains_the_same_weights_as_the_next(tmp_path):
       ("mirrored", "fresh4", ["--strategy=mirrored",
                               "--num_cpu_devices=4"])]:
     model_dir = str(tmp_path / name)
-    proc = _run(ROOT, "tfdist.train", [
+    proc = _run(ROOT, [
         *args, *extra, f"--data_dir={tmp_path / data_dir}",
         f"--model_dir={model_dir}"])
     runs[name] = (artifacts.model_weights(model_dir),
@@ -90,7 +71,7 @@ def test_user_model_on_every_strategy_from_a_fresh_data_dir(
   model_dir = str(tmp_path / "run")
   args = [*_USER_FORMS[form], *COMMON, "--train_steps=60",
           f"--data_dir={tmp_path / 'fresh'}", f"--model_dir={model_dir}"]
-  proc = _run(outside, module, [*launcher_args, *args])
+  proc = _run(outside, [*launcher_args, *args], module)
   assert artifacts.checkpoint_step(model_dir) == 60
   loss = float(re.search(r"Finished at step 60/60 .*eval loss ([0-9.]+)",
                          proc.stdout).group(1))
@@ -115,17 +96,18 @@ def test_user_model_on_the_ray_launcher(outside, tmp_path, netns):
   pytest.importorskip("ray")
   args = ["--model=mymod:build", "--dataset=mymod:data", *COMMON,
           f"--data_dir={tmp_path / 'fresh'}"]
-  _run(outside, "tfdist.train", [*args, f"--model_dir={tmp_path / 'd'}"])
-  _run(outside, "tfdist.launch.ray",
+  _run(outside, [*args, f"--model_dir={tmp_path / 'd'}"])
+  _run(outside,
        ["--workers=2", "--", *args, f"--model_dir={tmp_path / 'mwms'}"],
-       prefix=netns)
+       "tfdist.launch.ray", prefix=netns)
   artifacts.assert_weights_close(
       artifacts.model_weights(str(tmp_path / "mwms")),
       artifacts.model_weights(str(tmp_path / "d")), rtol=1e-5)
-  proc = _run(outside, "tfdist.launch.ray",
+  proc = _run(outside,
               ["--chief", "--workers=1", "--ps=1", "--",
                "--strategy=parameter_server", *args,
-               f"--model_dir={tmp_path / 'ps'}"], prefix=netns)
+               f"--model_dir={tmp_path / 'ps'}"], "tfdist.launch.ray",
+              prefix=netns)
   assert "chief:0 | Finished at step 20/20" in proc.stdout
   assert artifacts.checkpoint_step(str(tmp_path / "ps")) == 20
 
@@ -158,7 +140,7 @@ def test_a_squeezed_regression_head_trains_as_keras_fit(tmp_path):
   the mean over the eval examples of the export's own predictions."""
   (tmp_path / "squeezed.py").write_text(SQUEEZED)
   model_dir = tmp_path / "run"
-  proc = _run(tmp_path, "tfdist.train", [
+  proc = _run(tmp_path, [
       "--model=squeezed:build", "--dataset=squeezed:data",
       "--train_steps=200", "--learning_rate=0.01", "--batch_size=32",
       f"--data_dir={tmp_path / 'fresh'}", f"--model_dir={model_dir}"])

@@ -32,9 +32,12 @@ def outside(tmp_path):
   return path
 
 
-def _run(cwd, args, module="tfdist.train", timeout=300):
-  proc = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd,
-                        capture_output=True, text=True, timeout=timeout)
+def _run(cwd, args, module="tfdist.train", timeout=300, prefix=()):
+  """`python -m MODULE ARGS` in `cwd`, after `prefix` (an `ip netns exec`
+  prefix, say); it must exit 0."""
+  proc = subprocess.run([*prefix, sys.executable, "-m", module, *args],
+                        cwd=cwd, capture_output=True, text=True,
+                        timeout=timeout)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc
 

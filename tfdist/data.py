@@ -91,20 +91,21 @@ def _portable_source(dataset, name):
   cached = dataset.cache()
   graph = []
 
+  def to_graph(policy):
+    return tf.raw_ops.DatasetToGraphV2(
+        input_dataset=dataset._variant_tensor,  # pylint: disable=protected-access
+        external_state_policy=policy, strip_device_assignment=True)
+
   def serialized():
     if not graph:
       with tf.init_scope():  # Serialize eagerly, once, in this process.
         try:
-          graph.append(tf.raw_ops.DatasetToGraphV2(
-              input_dataset=dataset._variant_tensor,  # pylint: disable=protected-access
-              external_state_policy=_FAIL, strip_device_assignment=True))
+          graph.append(to_graph(_FAIL))
         except tf.errors.FailedPreconditionError as e:
           logging.warning(
               "%s holds state of this process (%s); other tasks get a "
               "fresh copy of it.", name, str(e).splitlines()[0][:160])
-          graph.append(tf.raw_ops.DatasetToGraphV2(
-              input_dataset=dataset._variant_tensor,  # pylint: disable=protected-access
-              external_state_policy=_WARN, strip_device_assignment=True))
+          graph.append(to_graph(_WARN))
     return graph[0]
 
   def source():
