@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from tfdist import compiled_loops
+from tfdist import loop_wire
 from tfdist import data
 from tfdist import trainer as trainer_lib
 from tfdist.errors import NonFiniteLossError
@@ -42,7 +43,7 @@ class FakeRunner:
       first = self._bad_step - start - 1
     self._global_step.assign_add(num_steps)
     # Metric state of keras.metrics.Mean: (total, count).
-    return compiled_loops.LoopSums(
+    return loop_wire.LoopSums(
         steps=num_steps, loss_sum=float("nan") if first is not None
         else 2.0 * num_steps, first_nonfinite=first,
         metric_states=[[np.float32(3.0 * num_steps),
@@ -51,7 +52,7 @@ class FakeRunner:
   def evaluate(self, input_fn, num_steps):
     del input_fn
     self.evals.append((int(self._global_step.numpy()), num_steps))
-    return compiled_loops.LoopSums(steps=num_steps, loss_sum=8.0,
+    return loop_wire.LoopSums(steps=num_steps, loss_sum=8.0,
                                    examples=16.0,
                                    metric_states=[[np.float32(4.0),
                                                    np.float32(16.0)]])

@@ -185,6 +185,7 @@ def test_eval_counts_exactly_beyond_float32():
   float64, in the step and in the packed vector the replicas reduce."""
   import keras  # pylint: disable=g-import-not-at-top
   from tfdist import compiled_loops  # pylint: disable=g-import-not-at-top
+  from tfdist import loop_wire  # pylint: disable=g-import-not-at-top
   from tfdist import task as task_lib  # pylint: disable=g-import-not-at-top
   model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
   task = task_lib.Task()
@@ -196,12 +197,12 @@ def test_eval_counts_exactly_beyond_float32():
       global_batch_size=4, steps_per_loop=2,
       global_step=tf.Variable(0, dtype=tf.int64))
   big = 2.0**24
-  state = compiled_loops.EvalState(
+  state = loop_wire.EvalState(
       tf.constant(big, tf.float64), tf.constant(big, tf.float64),
       metrics.zeros())
   batch = (tf.zeros([4, 2]), tf.zeros([4], tf.int32),
            tf.constant([1.0, 0.0, 0.0, 0.0]))
   state = loops.eval_step(batch, state)
-  sums = loops.unpack_eval(loops.pack_eval(state).numpy(), 1)
+  sums = loops.wire.unpack_eval(loops.wire.pack_eval(state).numpy(), 1)
   assert sums.examples == big + 1  # float32 would give 2**24.
   assert sums.stop is False

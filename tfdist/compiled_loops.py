@@ -9,16 +9,16 @@ metrics statelessly; that is all it does besides forward, backward and the
 update.
 
 How these loops are called on each kind of strategy lives in
-tfdist.runners.
+tfdist.runners; the packed vector's layout in tfdist.loop_wire, and the
+gradient all-reduce (its packs, their order, PowerSGD's start step) in
+tfdist.compression.
 """
-
-import dataclasses
-from typing import List, NamedTuple, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist import compression
+from tfdist import loop_wire
 from tfdist.errors import ConfigError
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -27,33 +27,6 @@ SUM = tf.distribute.ReduceOp.SUM
 # converting it all cost ~2 s of start-up per run. Only the tf.range loops
 # in train_steps/eval_steps need autograph.
 _PLAIN = tf.autograph.experimental.do_not_convert
-
-
-@dataclasses.dataclass
-class LoopSums:
-  """What loop calls bring back to the host, summed over the calls."""
-
-  steps: int = 0
-  loss_sum: float = 0.0  # Train: sum of per-step losses; eval: per example.
-  examples: float = 0.0  # Eval only: real (weight 1) examples.
-  first_nonfinite: Optional[int] = None  # Step offset within these sums.
-  metric_states: Optional[List[List[np.ndarray]]] = None
-  # Some task got SIGTERM: every task stops after this call (the flag
-  # travels in the reduced vector, so all of them see it at once).
-  stop: bool = False
-
-  def add(self, other: "LoopSums") -> "LoopSums":
-    first = self.first_nonfinite
-    if first is None and other.first_nonfinite is not None:
-      first = self.steps + other.first_nonfinite
-    states = other.metric_states if self.metric_states is None else [
-        [a + b for a, b in zip(mine, theirs)]
-        for mine, theirs in zip(self.metric_states, other.metric_states)]
-    return LoopSums(steps=self.steps + other.steps,
-                    loss_sum=self.loss_sum + other.loss_sum,
-                    examples=self.examples + other.examples,
-                    first_nonfinite=first, metric_states=states,
-                    stop=self.stop or other.stop)
 
 
 class Metrics:
@@ -103,19 +76,6 @@ class Metrics:
     return [[int(np.prod(v.shape)) for v in state] for state in self.initial]
 
 
-class TrainState(NamedTuple):
-  loss: tf.Tensor
-  first_nonfinite: tf.Tensor  # -1 until a step's loss is not finite.
-  metrics: list
-
-
-class EvalState(NamedTuple):
-  # float64: a float32 count is exact only up to 2**24 examples.
-  loss: tf.Tensor
-  examples: tf.Tensor
-  metrics: list
-
-
 def _with_example_axis(labels, outputs):
   """Rank-1 outputs (a squeezed head, one value per example) and their
   labels get a last axis of size 1, so that a Keras loss or metric, which
@@ -153,6 +113,8 @@ class LoopFunctions:
     self._optimizer = optimizer
     self._task = task
     self.metrics = metrics
+    self.wire = loop_wire.LoopWire(metrics=metrics,
+                                   steps_per_loop=steps_per_loop)
     self._global_batch_size = global_batch_size
     self._steps_per_loop = steps_per_loop
     self._global_step = global_step
@@ -244,7 +206,7 @@ class LoopFunctions:
     first = tf.where((state.first_nonfinite < 0) &
                      tf.logical_not(tf.math.is_finite(loss)),
                      index, state.first_nonfinite)
-    return TrainState(state.loss + loss, first, metric_states)
+    return loop_wire.TrainState(state.loss + loss, first, metric_states)
 
   @_PLAIN
   def _eval_step(self, batch, state):
@@ -252,7 +214,7 @@ class LoopFunctions:
     outputs = self._model(features, training=False)
     per_example = per_example_loss(self._task, labels, outputs)
     weights = tf.cast(weights, tf.float32)
-    return EvalState(
+    return loop_wire.EvalState(
         state.loss + tf.cast(tf.reduce_sum(per_example * weights),
                              tf.float64),
         state.examples + tf.reduce_sum(tf.cast(weights, tf.float64)),
@@ -261,23 +223,15 @@ class LoopFunctions:
 
   @_PLAIN
   def train_zeros(self):
-    return TrainState(tf.constant(0.0), tf.constant(-1, tf.int32),
+    return loop_wire.TrainState(tf.constant(0.0), tf.constant(-1, tf.int32),
                       self.metrics.zeros())
 
   @_PLAIN
   def eval_zeros(self):
-    return EvalState(tf.constant(0.0, tf.float64),
+    return loop_wire.EvalState(tf.constant(0.0, tf.float64),
                      tf.constant(0.0, tf.float64), self.metrics.zeros())
 
   # Loops (traced inside a runner's tf.function) --------------------------
-
-  def compressed_from(self, step):
-    """Whether a loop call starting at `step` runs the compressed
-    all-reduce, and the step where that changes (None: never)."""
-    start = self.reducer.start_step
-    if start is None:
-      return False, None
-    return step >= start, (start if step < start else None)
 
   def train_steps(self, iterator, num_steps, compressed, stop):
     """`num_steps` replica steps; returns the packed, reduced sums.
@@ -289,14 +243,14 @@ class LoopFunctions:
     for index in tf.range(num_steps):
       state = run(self.train_step,
                   args=(next(iterator), state, index, compressed))
-    return self._reduce(self.pack_train, state, stop)
+    return self._reduce(self.wire.pack_train, state, stop)
 
   def eval_steps(self, iterator, num_steps, stop):
     run = self._strategy.run
     state = run(self.eval_zeros)
     for _ in tf.range(num_steps):
       state = run(self.eval_step, args=(next(iterator), state))
-    return self._reduce(self.pack_eval, state, stop)
+    return self._reduce(self.wire.pack_eval, state, stop)
 
   def count_steps(self, num_steps):
     """Adds to the global step (atomic, even on a parameter server)."""
@@ -305,56 +259,3 @@ class LoopFunctions:
   def _reduce(self, pack, state, stop):
     packed = self._strategy.run(pack, args=(state, stop))
     return self._strategy.reduce(SUM, packed, axis=None)
-
-  # Packing: one float vector per call -----------------------------------
-
-  def _pack_metrics(self, states, dtype=tf.float32):
-    return [tf.reshape(tf.cast(v, dtype), [-1])
-            for state in states for v in state]
-
-  @_PLAIN
-  def pack_train(self, state, stop=0.0):
-    # The first bad step as a one-hot, so a SUM over replicas keeps it;
-    # slot steps_per_loop means "none".
-    bad = tf.where(state.first_nonfinite < 0, self._steps_per_loop,
-                   state.first_nonfinite)
-    return tf.concat([tf.reshape(state.loss, [1]),
-                      tf.one_hot(bad, self._steps_per_loop + 1),
-                      tf.reshape(tf.cast(stop, tf.float32), [1]),
-                      *self._pack_metrics(state.metrics)], 0)
-
-  @_PLAIN
-  def pack_eval(self, state, stop=0.0):
-    # float64, so the example count and the loss sum stay exact.
-    return tf.concat([tf.reshape(state.loss, [1]),
-                      tf.reshape(state.examples, [1]),
-                      tf.reshape(tf.cast(stop, tf.float64), [1]),
-                      *self._pack_metrics(state.metrics, tf.float64)], 0)
-
-  def _unpack_metrics(self, vector):
-    states, offset = [], 0
-    for initial in self.metrics.initial:
-      state = []
-      for value in initial:
-        size = value.size
-        state.append(vector[offset:offset + size].reshape(value.shape)
-                     .astype(value.dtype))
-        offset += size
-      states.append(state)
-    return states
-
-  def unpack_train(self, vector, num_steps) -> LoopSums:
-    vector = np.asarray(vector, np.float64)
-    bad = np.flatnonzero(vector[1:1 + self._steps_per_loop])
-    stop_slot = 2 + self._steps_per_loop
-    return LoopSums(
-        steps=num_steps, loss_sum=float(vector[0]),
-        first_nonfinite=int(bad[0]) if bad.size else None,
-        stop=bool(vector[stop_slot] > 0),
-        metric_states=self._unpack_metrics(vector[stop_slot + 1:]))
-
-  def unpack_eval(self, vector, num_steps) -> LoopSums:
-    vector = np.asarray(vector, np.float64)
-    return LoopSums(steps=num_steps, loss_sum=float(vector[0]),
-                    examples=float(vector[1]), stop=bool(vector[2] > 0),
-                    metric_states=self._unpack_metrics(vector[3:]))

@@ -40,8 +40,8 @@ def take_over_reduction(optimizer):
 
 
 def _sum_in(context, tensors, wire):
-  """One collective call (so one pack per --bytes_per_pack) of `tensors`,
-  sent in dtype `wire` and returned in their own dtypes."""
+  """One collective call of `tensors`, sent in dtype `wire` and returned in
+  their own dtypes."""
   if not tensors:
     return []
   sent = [tf.cast(t, wire) if t.dtype != wire else t for t in tensors]
@@ -50,28 +50,114 @@ def _sum_in(context, tensors, wire):
           for r, t in zip(reduced, tensors)]
 
 
+# Packs of gradients, measured in the lab (README, "Overlap"): small enough
+# that the first pack leaves while most of the backward pass is still to
+# run, large enough that the per-collective cost stays small. The first
+# pack is smaller still, as PyTorch DDP's first bucket is: the last
+# layer's gradients exist first, and the earlier they leave the better.
+DEFAULT_PACK_BYTES = 1 << 20
+FIRST_PACK_BYTES = 256 << 10
+
+
+def plan_packs(sizes, *, pack_bytes, first_pack_bytes=None):
+  """Groups of indices into `sizes` (bytes per gradient, in the order the
+  variables are listed): the reverse order, consecutive gradients up to
+  `pack_bytes` each (`first_pack_bytes` for the first). A gradient larger
+  than a pack goes alone. pack_bytes=None: one pack of everything."""
+  if not sizes:
+    return []
+  order = list(reversed(range(len(sizes))))
+  if pack_bytes is None:
+    return [order]
+  packs, current, filled = [], [], 0
+  limit = first_pack_bytes or pack_bytes
+  for index in order:
+    if current and filled + sizes[index] > limit:
+      packs.append(current)
+      current, filled, limit = [], 0, pack_bytes
+    current.append(index)
+    filled += sizes[index]
+  packs.append(current)
+  return packs
+
+
 class PlainReducer:
-  """Sums gradients over the replicas in sync, sent in `dtype`."""
+  """Sums gradients over the replicas in sync, sent in `dtype`.
+
+  `overlap`: the gradients go in packs of `pack_bytes`, last layer first,
+  one collective per pack, so each pack's all-reduce can start as soon as
+  its gradients exist while the backward pass goes on (PyTorch DDP's
+  reverse-ordered buckets; TF's own CollectiveAllReduce reverses its packs
+  too). Without it, one collective of every gradient, after all of them.
+  """
 
   start_step = None  # One train step for the whole run.
 
-  def __init__(self, *, dtype="float32"):
+  def compressed_from(self, step):
+    return compressed_from(self, step)
+
+  def __init__(self, *, dtype="float32", overlap=True, pack_bytes=0):
+    if pack_bytes < 0:
+      raise ValueError(f"pack_bytes must be >= 0 (0: the default, "
+                       f"{DEFAULT_PACK_BYTES}). Received: "
+                       f"pack_bytes={pack_bytes}")
     self._wire = tf.as_dtype(dtype)
+    self.overlap = overlap
+    self.pack_bytes = pack_bytes or DEFAULT_PACK_BYTES
+
+  def packs_for(self, grads):
+    """The packs (lists of indices into `grads`) of the dense gradients."""
+    dense = [i for i, g in enumerate(grads)
+             if g is not None and not isinstance(g, tf.IndexedSlices)]
+    sizes = [g.shape.num_elements() * self._wire.size
+             for g in (grads[i] for i in dense)]
+    if not self.overlap:
+      groups = plan_packs(sizes, pack_bytes=None)
+    else:
+      groups = plan_packs(
+          sizes, pack_bytes=self.pack_bytes,
+          first_pack_bytes=min(FIRST_PACK_BYTES, self.pack_bytes))
+    return [[dense[k] for k in group] for group in groups]
 
   def reduce(self, grads, compressed=False):  # pylint: disable=unused-argument
     """Call in a replica context; None gradients stay None."""
     context = tf.distribute.get_replica_context()
-    present = [i for i, g in enumerate(grads) if g is not None]
-    if context is None or context.num_replicas_in_sync == 1 or not present:
-      return list(grads)
     result = list(grads)
-    for i, total in zip(present, _sum_in(context, [grads[i] for i in present],
-                                         self._wire)):
+    if context is None or context.num_replicas_in_sync == 1:
+      return result
+    for pack in self.packs_for(grads):
+      for i, total in zip(pack, self._sum_flat(context,
+                                               [grads[i] for i in pack])):
+        result[i] = total
+    # Sparse gradients (embedding lookups) go as they are, after the packs.
+    sparse = [i for i, g in enumerate(grads)
+              if isinstance(g, tf.IndexedSlices)]
+    for i, total in zip(sparse, _sum_in(context, [grads[i] for i in sparse],
+                                        self._wire)):
       result[i] = total
     return result
 
+  def _sum_flat(self, context, tensors):
+    """One collective: `tensors` flattened into one vector in the wire
+    dtype, summed, and split back into their shapes and dtypes."""
+    flat = tf.concat([tf.reshape(tf.cast(t, self._wire), [-1])
+                      for t in tensors], 0)
+    total = context.all_reduce(SUM, flat)
+    parts = tf.split(total, [t.shape.num_elements() for t in tensors])
+    return [tf.cast(tf.reshape(part, t.shape), t.dtype)
+            for part, t in zip(parts, tensors)]
+
   def reset(self):
     pass
+
+
+def compressed_from(reducer, step):
+  """Whether a loop call starting at `step` runs `reducer`'s compressed
+  all-reduce, and the step where that changes (None: never)."""
+  start = reducer.start_step
+  if start is None:
+    return False, None
+  return step >= start, (start if step < start else None)
 
 
 def matrix_shape(shape):
@@ -114,7 +200,7 @@ class PowerSGDReducer:
   """
 
   def __init__(self, *, variables, rank, start_step=0, dtype="float32",
-               min_ratio=2.0, seed=0):
+               min_ratio=2.0, seed=0, overlap=True, pack_bytes=0):
     if not isinstance(rank, int) or rank < 1:
       raise ValueError(f"rank must be a positive integer. Received: "
                        f"rank={rank!r}")
@@ -123,7 +209,9 @@ class PowerSGDReducer:
                        f"start_step={start_step}")
     self.rank = rank
     self.start_step = start_step
-    self._plain = PlainReducer(dtype=dtype)
+    # Before start_step: the plain all-reduce, overlapped.
+    self._plain = PlainReducer(dtype=dtype, overlap=overlap,
+                               pack_bytes=pack_bytes)
     self._wire = tf.as_dtype(dtype)
     self._shapes = [tuple(v.shape) for v in variables]
     self._min_ratio = min_ratio
@@ -153,6 +241,9 @@ class PowerSGDReducer:
             f"{len(self._errors)} of {len(self._shapes)} gradients "
             f"compressed, {sent:,} of {plain:,} values all-reduced per step "
             f"({plain / sent:.1f}x fewer)")
+
+  def compressed_from(self, step):
+    return compressed_from(self, step)
 
   @property
   def compressed_indices(self):
@@ -211,9 +302,13 @@ def create(config, variables):
   if config.allreduce_compression == "powersgd":
     return PowerSGDReducer(variables=variables, rank=config.powersgd_rank,
                            start_step=config.powersgd_start_step,
-                           dtype=config.allreduce_dtype, seed=config.seed)
+                           dtype=config.allreduce_dtype, seed=config.seed,
+                           overlap=config.overlap_allreduce,
+                           pack_bytes=config.bytes_per_pack)
   if config.allreduce_compression == "none":
-    return PlainReducer(dtype=config.allreduce_dtype)
+    return PlainReducer(dtype=config.allreduce_dtype,
+                        overlap=config.overlap_allreduce,
+                        pack_bytes=config.bytes_per_pack)
   valid = options.BY_NAME["allreduce_compression"].choices
   raise ValueError(f"Unrecognized allreduce_compression: "
                    f"{config.allreduce_compression!r}. Valid: "

@@ -189,8 +189,15 @@ OPTIONS = (
     # multi_worker
     _enum("all_reduce_alg", "auto", ("auto", "ring", "nccl"),
           "Collective implementation.", "multi_worker"),
-    _o("bytes_per_pack", 0, "Pack gradients into chunks of this many bytes "
-       "per all-reduce; 0: one pack.", "multi_worker", minimum=0),
+    _o("overlap_allreduce", True, "All-reduce the gradients in packs, "
+       "last layer first, each as soon as its gradients exist, so the "
+       "all-reduce overlaps the backward pass; false: one all-reduce of "
+       "every gradient after the backward pass. No effect with "
+       "--grad_accum_steps > 1, --jit_compile or PowerSGD's compressed "
+       "steps (their gradients all exist only at the end).", "multi_worker"),
+    _o("bytes_per_pack", 0, "Bytes per gradient pack with "
+       "--overlap_allreduce (the first pack is at most 256 KiB); 0: 1 MiB.",
+       "multi_worker", minimum=0),
     _enum("train_feed", "auto", ("auto", "distributed"),
           "How train batches reach the step. auto: a plain tf.data "
           "iterator where a process runs one replica on a CPU (TF's "

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import tensorflow as tf
 
-from tfdist import compiled_loops
+from tfdist import loop_wire
 from tfdist import preemption
 from tfdist import strategies
 from tfdist.errors import TfdistError
@@ -37,11 +37,11 @@ class Runner(Protocol):
     """An iterator over the train batches of `input_fn`."""
 
   def run_steps(self, iterator, num_steps, steps_per_call, first_step
-                ) -> compiled_loops.LoopSums:
+                ) -> loop_wire.LoopSums:
     """Trains `num_steps` steps from `first_step`, counting them in the
     global step."""
 
-  def evaluate(self, input_fn, num_steps) -> compiled_loops.LoopSums:
+  def evaluate(self, input_fn, num_steps) -> loop_wire.LoopSums:
     """One exact eval pass of `num_steps` global batches."""
 
 
@@ -58,8 +58,8 @@ def _chunks(num_steps, steps_per_call):
 
 def combine(parts):
   """Sums LoopSums in step order."""
-  return functools.reduce(compiled_loops.LoopSums.add, parts,
-                          compiled_loops.LoopSums())
+  return functools.reduce(loop_wire.LoopSums.add, parts,
+                          loop_wire.LoopSums())
 
 
 def _failed_task(error):
@@ -147,11 +147,11 @@ class SyncRunner:
     spans the step where the compressed all-reduce starts."""
     parts, step, end = [], first_step, first_step + num_steps
     while step < end:
-      compressed, change = self._loops.compressed_from(step)
+      compressed, change = self._loops.reducer.compressed_from(step)
       until = min(end, change) if change else end
       train = functools.partial(self._train, compressed=compressed)
       for size in _chunks(until - step, steps_per_call):
-        parts.append(self._loops.unpack_train(
+        parts.append(self._loops.wire.unpack_train(
             self._call(train, iterator, size), size))
         self._stop_if_agreed(parts[-1])
       step = until
@@ -161,7 +161,7 @@ class SyncRunner:
     # Eval passes keep TF's iterator: finite and padded.
     iterator = iter(self._strategy.distribute_datasets_from_function(
         input_fn))
-    sums = self._loops.unpack_eval(
+    sums = self._loops.wire.unpack_eval(
         self._call(self._eval, iterator, num_steps), num_steps)
     self._stop_if_agreed(sums)
     return sums
@@ -249,7 +249,7 @@ class ParameterServerRunner:
     self._loops.count_steps(sum(size for _, size in results))
     if self._guard:
       self._guard.save_and_exit_if_signalled()
-    return combine(self._loops.unpack_train(vector, size)
+    return combine(self._loops.wire.unpack_train(vector, size)
                    for vector, size in results)
 
   def _plain_train_steps(self, iterator, num_steps):
@@ -261,7 +261,7 @@ class ParameterServerRunner:
     state = loops.eval_zeros()
     for _ in tf.range(num_steps):
       state = loops.eval_step(next(iterator), state)
-    return loops.pack_eval(state, 0.0)
+    return loops.wire.pack_eval(state, 0.0)
 
   def evaluate(self, input_fn, num_steps):
     """Exact eval on the coordinator: one pipeline, every example once.
@@ -272,7 +272,7 @@ class ParameterServerRunner:
     vector = self._local_eval(iter(dataset), tf.constant(num_steps, tf.int32))
     if self._guard:  # A SIGTERM that came during the eval.
       self._guard.save_and_exit_if_signalled()
-    return self._loops.unpack_eval(vector.numpy(), num_steps)
+    return self._loops.wire.unpack_eval(vector.numpy(), num_steps)
 
 
 def create(strategy_info, loops, *, train_feed="auto"):

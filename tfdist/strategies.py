@@ -149,7 +149,6 @@ def _multi_worker(config, task):
   implementation = getattr(tf.distribute.experimental.CommunicationImplementation,
                            _IMPLEMENTATIONS[config.all_reduce_alg])
   options = tf.distribute.experimental.CommunicationOptions(
-      bytes_per_pack=config.bytes_per_pack,
       timeout_seconds=config.collective_timeout or None,
       implementation=implementation)
   resolver = cluster_resolver(task) if task else None

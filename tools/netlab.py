@@ -66,16 +66,29 @@ def parse_rate(text):
 
 
 def parse_config(text):
-  """A lab configuration: its tfdist flags. float32, float16, bfloat16,
-  powersgd[:RANK] (float32 factors)."""
-  name, _, rank = text.partition(":")
+  """A lab configuration: (module, its flags).
+
+  float32, float16, bfloat16, powersgd[:RANK] (float32 factors): tfdist,
+  with its all-reduce overlapped; a "/serial" suffix turns the overlap off
+  (--nooverlap_allreduce). raw: raw TF MWMS (tools.raw_mwms). alone: the
+  default strategy in one process on one core at one worker's batch, with
+  no network (the bar of the fixed cost).
+  """
+  if text in ("raw", "alone"):
+    return (f"{__package__}.raw_mwms" if text == "raw" else "alone"), []
+  base, _, suffix = text.partition("/")
+  if suffix not in ("", "serial"):
+    raise ValueError(f"a lab config's suffix is /serial. Received: {text!r}")
+  extra = ["--nooverlap_allreduce"] if suffix else []
+  name, _, rank = base.partition(":")
   if name in options.BY_NAME["allreduce_dtype"].choices and not rank:
-    return [f"--allreduce_dtype={name}"]
+    return "tfdist.train", [f"--allreduce_dtype={name}", *extra]
   if name == "powersgd" and (not rank or rank.isdigit() and int(rank) > 0):
-    return ["--allreduce_compression=powersgd",
-            f"--powersgd_rank={rank or 4}"]
+    return "tfdist.train", ["--allreduce_compression=powersgd",
+                            f"--powersgd_rank={rank or 4}", *extra]
   raise ValueError(f"a lab config is float32, float16, bfloat16 or "
-                   f"powersgd[:RANK]. Received: {text!r}")
+                   f"powersgd[:RANK], with /serial or not, or raw or alone. "
+                   f"Received: {text!r}")
 
 
 def _ip(*args, check=True):
@@ -352,18 +365,30 @@ def train_args(*, model, steps, log_every, batch_size, data_dir, model_dir,
           f"--bytes_per_pack={bytes_per_pack}", *config_flags]
 
 
-def table(results):
-  """A markdown table, with each config's speed-up over float32 on the
-  same link and worker count."""
-  base = {(r.link, r.workers, r.bytes_per_pack): r.seconds_per_step
-          for r in results if r.config == "float32"}
-  lines = ["| link | workers | all-reduce | bytes_per_pack | s/step | "
+def speedups(result, reference):
+  """reference s/step / result s/step of each round (rounds run one after
+  another, so round k of both shared the host's state)."""
+  return [ref / mine for ref, mine in zip(reference.seconds_rounds,
+                                          result.seconds_rounds)]
+
+
+def table(results, versus="float32"):
+  """A markdown table, with each config's speed-up over `versus` on the
+  same link, worker count and pack size: the median of the per-round
+  ratios and their spread."""
+  base = {(r.link, r.workers, r.bytes_per_pack): r
+          for r in results if r.config == versus}
+  lines = ["| link | workers | config | bytes_per_pack | s/step | "
            "rounds (min-max) | sent MB/step/worker | "
-           "received MB/step/worker | vs float32 | accuracy |",
+           f"received MB/step/worker | vs {versus}, per round | accuracy |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
   for r in results:
     reference = base.get((r.link, r.workers, r.bytes_per_pack))
-    speedup = f"{reference / r.seconds_per_step:.2f}x" if reference else "-"
+    speedup = "-"
+    if reference is not None and reference is not r:
+      ratios = speedups(r, reference)
+      speedup = (f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-"
+                 f"{max(ratios):.2f}]")
     accuracy = f"{r.accuracy:.4f}" if r.accuracy is not None else "-"
     sent = sum(r.sent_per_step) / len(r.sent_per_step) / 1e6
     received = sum(r.received_per_step) / len(r.received_per_step) / 1e6
@@ -379,7 +404,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("workers", ["2"], "Worker counts (2-4).")
 flags.DEFINE_list("links", ["1gbit"], "Link rates, e.g. 100mbit,1gbit.")
 flags.DEFINE_list("configs", ["float32", "powersgd:4"],
-                  "float32, float16, bfloat16, powersgd[:RANK].")
+                  "float32, float16, bfloat16, powersgd[:RANK] (each "
+                  "with /serial: no overlap), raw (raw TF MWMS) or alone "
+                  "(one process, one core, one worker's batch).")
 flags.DEFINE_list("bytes_per_pack", ["0"], "--bytes_per_pack values.")
 flags.DEFINE_string("model", "mlp_wide", "Model from the zoo.")
 flags.DEFINE_integer("steps", 40, "Train steps per run.")
@@ -388,6 +415,8 @@ flags.DEFINE_integer("rounds", 1, "Runs of every configuration; the table "
 flags.DEFINE_bool("pin", True, "Pin lab task k to core k mod cores.")
 flags.DEFINE_integer("log_every", 10, "Steps between samples.")
 flags.DEFINE_integer("batch_size", 64, "Global batch.")
+flags.DEFINE_string("versus", "float32", "The config the table's speed-ups "
+                    "are against.")
 flags.DEFINE_integer("mtu", 1500, "MTU of the lab's veths.")
 flags.DEFINE_string("data_dir", "~/tensorflow_datasets", "tfds data_dir.")
 flags.DEFINE_string("json_out", "", "Also write the results here (JSON).")
@@ -468,7 +497,7 @@ def main(argv):
         f"{FLAGS.steps} steps per run, measured over the last "
         f"{results[0].steps_measured}; median of {FLAGS.rounds} "
         f"round(s); tasks {'pinned to cores' if FLAGS.pin else 'unpinned'}.")
-  print(table(results))
+  print(table(results, FLAGS.versus))
   if FLAGS.json_out:
     with open(FLAGS.json_out, "w") as out:
       json.dump({"model": FLAGS.model, "batch_size": FLAGS.batch_size,
@@ -519,20 +548,33 @@ def _run_all(workers_list, rates, configs, packs):
       for link, rate in rates:
         for workers in workers_list:
           for pack in packs:
-            for name, config_flags in configs:
-              with _lab_session(workers, rate) as lab:
-                tap = run_job(lab, workers=workers, verbose=FLAGS.verbose,
-                              train_args=train_args(
-                                  model=FLAGS.model, steps=FLAGS.steps,
-                                  log_every=FLAGS.log_every,
-                                  batch_size=FLAGS.batch_size,
-                                  data_dir=FLAGS.data_dir,
-                                  model_dir=os.path.join(
-                                      scratch, str(next(run_index))),
-                                  config_flags=config_flags,
-                                  bytes_per_pack=pack))
-              r = measure(tap, link=link, workers=workers, config=name,
-                          bytes_per_pack=pack)
+            for name, (module, config_flags) in configs:
+              model_dir = os.path.join(scratch, str(next(run_index)))
+              if module == "alone":
+                r = Result(link=link, workers=workers, config=name,
+                           bytes_per_pack=pack, seconds_per_step=(
+                               compute_seconds(
+                                   model=FLAGS.model,
+                                   batch_size=FLAGS.batch_size // workers,
+                                   steps=FLAGS.steps,
+                                   log_every=FLAGS.log_every,
+                                   data_dir=FLAGS.data_dir,
+                                   model_dir=model_dir)),
+                           sent_per_step=[0.0], received_per_step=[0.0],
+                           accuracy=None, steps_measured=0)
+              else:
+                with _lab_session(workers, rate) as lab:
+                  tap = run_job(lab, workers=workers, verbose=FLAGS.verbose,
+                                module=module, train_args=train_args(
+                                    model=FLAGS.model, steps=FLAGS.steps,
+                                    log_every=FLAGS.log_every,
+                                    batch_size=FLAGS.batch_size,
+                                    data_dir=FLAGS.data_dir,
+                                    model_dir=model_dir,
+                                    config_flags=config_flags,
+                                    bytes_per_pack=pack))
+                r = measure(tap, link=link, workers=workers, config=name,
+                            bytes_per_pack=pack)
               rounds.setdefault((link, workers, pack, name), []).append(r)
               print(f"round {round_index + 1}/{FLAGS.rounds}: {link} "
                     f"{workers} workers {name} pack {pack}: "
