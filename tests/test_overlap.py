@@ -2,6 +2,8 @@
 reverse layer order, checked in a profiler trace of a real 2-worker
 MultiWorkerMirrored job, and the same weights as without overlap."""
 
+import statistics
+
 import pytest
 
 import artifacts
@@ -51,17 +53,19 @@ def test_first_allreduce_starts_before_the_last_gradient_op(tmp_path,
   serial = _profiled_run(tmp_path / "off", data_dir,
                          "--nooverlap_allreduce")
   assert len(overlapped) == len(serial) == 10
-  # resnet20's 1.1 MB of gradients: a 256 KiB first pack, then 1 MiB.
+  # resnet20's 1.1 MB of gradients: a 256 KiB first pack, then the rest.
   assert {s.packs for s in overlapped} == {2}
   assert {s.packs for s in serial} == {1}
   # Without overlap no gradient op can follow the all-reduce: it needs
   # them all. With it, the first pack leaves while most of the backward
-  # pass is still to run (all 10 steps in the runs we saw; the executor
-  # may delay one now and then, so 8 are asked for).
+  # pass is still to run (in the runs we saw: all 10 steps, with a median
+  # of 86% of the gradient ops after the first all-reduce; the executor
+  # may delay one now and then, so 8 steps and half the ops are asked for).
   assert not any(s.overlapped for s in serial)
-  early = [s for s in overlapped
-           if s.gradient_ops_after_first_allreduce > s.gradient_ops / 2]
-  assert len(early) >= 8, overlapped
+  assert sum(s.overlapped for s in overlapped) >= 8, overlapped
+  shares = [s.gradient_ops_after_first_allreduce / s.gradient_ops
+            for s in overlapped]
+  assert statistics.median(shares) > 0.5, overlapped
   artifacts.assert_weights_close(artifacts.model_weights(tmp_path / "on"),
                                  artifacts.model_weights(tmp_path / "off"),
                                  rtol=1e-5)

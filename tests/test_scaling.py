@@ -102,3 +102,27 @@ def test_powersgd_payload_is_two_collectives_of_the_factors():
   assert payload["powersgd:4"].packs == 2
   packed = scaling.payloads(shapes, bytes_per_pack=100_000)
   assert packed["float32"].packs == 6
+
+
+def test_phi_is_the_share_of_the_link_time_saved_by_overlap():
+  shapes = [(1000, 250)]  # 1 MB of float32 gradients.
+  link = scaling.ring_allreduce_seconds(2, 1e6, alpha=0.0,
+                                        bandwidth=5e8 / 8)  # 16 ms.
+  lab = {"results": [
+      {"config": "float32", "link": "500mbit", "workers": 2,
+       "seconds_rounds": [0.100, 0.104]},
+      {"config": "float32/serial", "link": "500mbit", "workers": 2,
+       "seconds_rounds": [0.100 + 0.5 * link, 0.104 + 0.25 * link]},
+      {"config": "powersgd:4", "link": "500mbit", "workers": 2,
+       "seconds_rounds": [0.090, 0.091]}]}
+  assert scaling.fit_phi(lab, shapes) == pytest.approx([0.5, 0.25])
+  with pytest.raises(ValueError, match="C/serial"):
+    scaling.fit_phi({"results": lab["results"][:1]}, shapes)
+
+
+def test_projection_hides_phi_of_the_plain_allreduce_only():
+  shapes = [(1000, 250)]
+  curves = scaling.project({"m": (shapes, 0.01)}, (0.0, 1e9 / 8), phi=0.5)
+  serial = scaling.project({"m": (shapes, 0.01)}, (0.0, 1e9 / 8), phi=0.0)
+  assert curves["m float32"][-1] > serial["m float32"][-1]
+  assert curves["m powersgd:4"] == serial["m powersgd:4"]

@@ -36,6 +36,8 @@ class Role(enum.Enum):
 
 def role_of(config, tf_config):
   """This task's role, decided once from the Config and TF_CONFIG."""
+  if config.mode in ("eval", "continuous_eval"):
+    return Role.EVALUATOR
   if tf_config is None:
     return Role.TRAINER
   if tf_config.task_type == "evaluator":
@@ -116,7 +118,8 @@ def start_tensorflow(config, role, *, tf_config=None,
   return info
 
 
-def run(config, *, task=None, tf_config=None, show_native_logs=False):
+def run(config, *, task=None, tf_config=None, show_native_logs=False,
+        callbacks=None):
   """Runs this task of the job; returns the Trainer's RunResult, or None
   for a ps/worker server or a sidecar evaluator."""
   role = role_of(config, tf_config)
@@ -137,7 +140,10 @@ def run(config, *, task=None, tf_config=None, show_native_logs=False):
     with process_settings(config):
       trainer = builder.build_trainer(
           config, info, builder.resolve_task(config, info, task),
-          write_dir=write_dir)
+          write_dir=write_dir,
+          callbacks=builder.resolve_callbacks(config, callbacks))
+    if role is Role.EVALUATOR and config.mode == "eval":
+      return trainer.evaluate_once(config.checkpoint or None)
     if role is Role.EVALUATOR:
       return _run_sidecar(trainer, config)
     return trainer.run()
@@ -147,8 +153,10 @@ def run(config, *, task=None, tf_config=None, show_native_logs=False):
 
 
 def _run_sidecar(trainer, config):
-  logging.info("Sidecar evaluator: watching %s for checkpoints up to step "
-               "%d.", config.model_dir, config.train_steps)
+  logging.info("%s: watching %s for checkpoints up to step %d.",
+               ("Continuous eval" if config.mode == "continuous_eval"
+                else "Sidecar evaluator"), config.model_dir,
+               config.train_steps)
   metrics = trainer.evaluate_checkpoints(
       timeout_seconds=config.sidecar_timeout)
   if metrics is None:
@@ -159,13 +167,16 @@ def _run_sidecar(trainer, config):
   return None
 
 
-def train(task_or_config=None, *, tf_config=None, **options):
+def train(task_or_config=None, *, tf_config=None, callbacks=None,
+          **options):
   """Trains like `python -m tfdist.train`, in this process.
 
   `task_or_config` is a tfdist.Task, a tfdist Config, or None (the options
   alone, e.g. model="mlp", dataset="digits"). Keyword options are the CLI's
   flags without dashes; they override the Config's. `tf_config` is a parsed
-  tfdist.cluster.TaskConfig, or None for one process. Returns the
+  tfdist.cluster.TaskConfig, or None for one process. `callbacks`: Keras
+  callbacks (keras.callbacks.Callback objects), run on the chief at each
+  loop call and each eval (tfdist.callbacks). Returns the
   RunResult (step, eval_metrics, train_metrics, checkpoint, export_dir).
   """
   from tfdist import task as task_lib  # pylint: disable=g-import-not-at-top
@@ -183,17 +194,26 @@ def train(task_or_config=None, *, tf_config=None, **options):
     raise ConfigError("tfdist.train takes a tfdist.Task, a Config or None. "
                       f"Received: a {type(task_or_config).__name__}")
   return run(config, task=task, tf_config=tf_config,
-             show_native_logs=config.native_logs)
+             show_native_logs=config.native_logs, callbacks=callbacks)
 
 
 def summary_lines(config, result):
   """The closing lines printed after a run."""
   evals = result.eval_metrics
-  names = [k for k in evals if k not in ("loss", "examples")] + ["loss"]
+  names = [k for k in evals if k not in ("loss", "examples")] + (
+      ["loss"] if evals else [])
   shown = ", ".join(f"eval {k} {evals[k]:.4f}" for k in names)
+  if config.mode == "eval":
+    return [f"Evaluated {result.checkpoint} (step {result.step}): {shown} "
+            f"({evals['examples']} examples).",
+            f"  tensorboard: tensorboard --logdir {config.model_dir}"]
+  if not evals:
+    shown = "no eval (--mode=train)"
+  else:
+    shown += f" ({evals['examples']} examples)"
   return [
       f"Finished at step {result.step}/{config.train_steps} in "
-      f"{result.seconds:.1f}s: {shown} ({evals['examples']} examples).",
+      f"{result.seconds:.1f}s: {shown}.",
       f"  checkpoint:  {result.checkpoint}",
       f"  export:      {result.export_dir or '(not exported)'}",
       f"  tensorboard: tensorboard --logdir {config.model_dir}",

@@ -5,11 +5,14 @@ compiled loops and their runner, the checkpoint store, the summaries and
 the export: made here, then handed to tfdist.trainer.Trainer.
 """
 
+import functools
 
 from absl import logging
 import keras
 import tensorflow as tf
 
+from tfdist import best as best_lib
+from tfdist import callbacks as callbacks_lib
 from tfdist import checkpoints
 from tfdist import compiled_loops
 from tfdist import compression
@@ -25,6 +28,7 @@ from tfdist import storage
 from tfdist import summaries as summaries_lib
 from tfdist import task as task_lib
 from tfdist import trainer as trainer_lib
+from tfdist import warm_start as warm_start_lib
 from tfdist.errors import ConfigError
 
 
@@ -102,12 +106,13 @@ def check_model_fits_data(task, model, sample):
   returns (labels, outputs)."""
   features, labels = sample
   try:
-    outputs = model(features, training=False)
+    model(features, training=False)
   except Exception as e:  # Keras raises many types for mismatched inputs.
     raise ConfigError(f"the dataset's features do not fit the model "
                       f"{task.display_name!r}: {_first_line(e)}") from None
   try:
-    compiled_loops.per_example_loss(task, labels, outputs)
+    _, outputs = compiled_loops.loss_and_outputs(task, model, features,
+                                                 labels, training=False)
   except ConfigError:
     raise
   except Exception as e:  # The loss may raise anything on bad labels.
@@ -154,7 +159,33 @@ def resolve_task(config, info, task=None):
                                if config.model_parallel == "tensor" else None))
 
 
-def build_trainer(config, info, task, *, write_dir):
+def _learning_rate_at(optimizer, schedule, step):
+  """The rate TensorBoard shows: the optimizer's own when it is a
+  variable (a callback such as ReduceLROnPlateau may have set it), else
+  the schedule's at `step`."""
+  rate = callbacks_lib.rate_variable(optimizer)
+  if rate is not None:
+    return float(rate.numpy())
+  return optimizers.scheduled_rate(step, **schedule)
+
+
+def resolve_callbacks(config, given=None):
+  """The Keras callbacks of a run: `given` (the Python API) and those
+  --callbacks=module:function returns."""
+  found = list(given or ())
+  if config.callbacks:
+    function = task_lib.import_object(config.callbacks, flag="callbacks")
+    made = task_lib.call_user(function, flag="callbacks",
+                              reference=config.callbacks)
+    if not isinstance(made, (list, tuple)):
+      raise ConfigError(f"--callbacks={config.callbacks} returned a "
+                        f"{type(made).__name__}, not a list of "
+                        "keras.callbacks.Callback objects.")
+    found.extend(made)
+  return callbacks_lib.check(found)
+
+
+def build_trainer(config, info, task, *, write_dir, callbacks=()):
   """Every part of a run, handed to a Trainer."""
   local = devices.local_devices()
   preflight.check_run(config, info, local)
@@ -221,18 +252,35 @@ def build_trainer(config, info, task, *, write_dir):
     if schedule["schedule"] == "constant" and not schedule["warmup_steps"]:
       optimizer.learning_rate.assign(config.learning_rate)
 
-  def export_now():
+  def export_now(best=False):
     if not config.export:
       return None
     # Every worker exports (saving may need collectives); only the chief's
     # write_dir is model_dir.
-    export_dir = storage.join(write_dir, "export")
+    export_dir = storage.join(
+        write_dir, best_lib.BEST_EXPORT_DIR if best else "export")
     export.export_saved_model(
         model, serving_outputs=task.serving_outputs,
         features_spec=inputs.features_spec, export_dir=export_dir,
         input_name="images" if inputs.image_input else "features")
     logging.info("Exported SavedModel to %s.", export_dir)
     return export_dir
+
+  tracker = None
+  if config.best_metric:
+    tracker = best_lib.BestTracker(
+        metric=config.best_metric,
+        mode=best_lib.resolve_mode(config.best_metric, config.best_mode),
+        # A sidecar evaluator keeps the best, but cannot stop the workers.
+        patience=(0 if config.mode == "continuous_eval" or info.reason ==
+                  "sidecar evaluator" else config.early_stopping_patience),
+        metric_names=("loss", *metrics.names))
+  keras_callbacks = None
+  if callbacks:
+    keras_callbacks = callbacks_lib.Callbacks(
+        callbacks, model=model, optimizer=optimizer, is_chief=info.is_chief,
+        train_steps=config.train_steps,
+        sync=callbacks_lib.chief_values(strategy) if info.peers else None)
 
   return trainer_lib.Trainer(
       options=trainer_lib.LoopOptions.from_config(config), model=model,
@@ -244,11 +292,18 @@ def build_trainer(config, info, task, *, write_dir):
       inputs=inputs,
       describe=(f"{task.display_name} on {inputs.name} with {info.name} "
                 f"over {info.num_replicas} replica(s)"),
-      learning_rate=lambda step: optimizers.scheduled_rate(step, **schedule),
+      learning_rate=functools.partial(_learning_rate_at, optimizer,
+                                      schedule),
       replica_checker=checker, export_fn=export_now,
       after_restore=after_restore, hparams=config.to_dict(),
       startup_scalars=startup_scalars,
       chief_broadcast=(replica_check.ChiefBroadcast(
           strategy=strategy, variables=[
-              *model.weights, *optimizer.variables, global_step])
-                       if info.peers else None))
+              *model.weights, *optimizer.variables, global_step,
+              *(tracker.variables if tracker else ())])
+                       if info.peers else None),
+      callbacks=keras_callbacks, best=tracker,
+      warm_start=(functools.partial(
+          warm_start_lib.load, model, config.init_checkpoint,
+          skip=config.init_checkpoint_skip)
+                  if config.init_checkpoint else None))

@@ -13,6 +13,8 @@ SIGNATURE_FILE = "tfdist_model.json"
 # What the last run that saved here was asked for (its schedule), so a
 # resume can say what changed.
 RUN_FILE = "tfdist_run.json"
+BEST_DIR = "best_checkpoint"  # --best_metric: the best eval's checkpoint.
+BEST_FILE = "best.json"
 # What reading a truncated or corrupt checkpoint raises.
 UNREADABLE = (tf.errors.OpError, IndexError, OSError, EOFError)
 
@@ -56,14 +58,17 @@ class CheckpointStore:
                      tf.train.CheckpointManager(checkpoint, write_dir,
                                                 max_to_keep=1))
 
-  def restore(self):
-    """Restores the newest usable checkpoint; returns its path or None."""
+  def _check_signature(self):
     saved = self._read_json(SIGNATURE_FILE)
     if saved is not None and saved != self._signature:
       raise CheckpointError(
           f"model_dir {self._model_dir} holds checkpoints of "
           f"{_describe_mismatch(saved, self._signature)}; use another "
           "--model_dir (nothing was changed).")
+
+  def restore(self):
+    """Restores the newest usable checkpoint; returns its path or None."""
+    self._check_signature()
     candidates = list(reversed(self._reader.checkpoints))
     for path in candidates:
       try:
@@ -82,6 +87,22 @@ class CheckpointStore:
           f"no readable checkpoint in {self._model_dir} (tried "
           f"{len(candidates)}); nothing was changed.")
     return None
+
+  def restore_for_eval(self, path=None):
+    """Restores what evaluation needs from `path` (default: the latest
+    checkpoint in model_dir); returns the path. Writes nothing."""
+    self._check_signature()
+    path = path or self._reader.latest_checkpoint
+    if path is None:
+      raise CheckpointError(f"no checkpoint in {self._model_dir} to "
+                            "evaluate; nothing was changed.")
+    try:
+      self._checkpoint.restore(path).expect_partial()
+    except UNREADABLE as e:
+      raise CheckpointError(
+          f"checkpoint {path} is unreadable "
+          f"({str(e).splitlines()[0][:160]}); nothing was changed.") from None
+    return path
 
   def new_checkpoints(self, timeout_seconds):
     """Restores each new checkpoint in model_dir as it appears (sidecar
@@ -122,6 +143,39 @@ class CheckpointStore:
       if self._run_record is not None:
         self._write_json(RUN_FILE, self._run_record)
     return path
+
+  def keep_best(self, path, state):
+    """Copies checkpoint `path` to model_dir/best_checkpoint (replacing
+    the one there), with `state` in best.json: --keep_checkpoints never deletes
+    it. The chief's copy only (other workers write nowhere shared)."""
+    if self._write_dir != self._model_dir:
+      return None
+    best_dir = storage.join(self._model_dir, BEST_DIR)
+    storage.remove_tree(best_dir)
+    tf.io.gfile.makedirs(best_dir)
+    prefix = path.rsplit("/", 1)[-1]
+    for source in tf.io.gfile.glob(f"{path}.*"):
+      tf.io.gfile.copy(source, storage.join(best_dir,
+                                            source.rsplit("/", 1)[-1]))
+    storage.write_text(storage.join(best_dir, "checkpoint"),
+                       f'model_checkpoint_path: "{prefix}"\n'
+                       f'all_model_checkpoint_paths: "{prefix}"\n')
+    storage.write_text(storage.join(best_dir, BEST_FILE),
+                       json.dumps(state, indent=1, sort_keys=True))
+    return storage.join(best_dir, prefix)
+
+  def update_best_state(self, state):
+    """Rewrites best.json (the count of evals without improvement)."""
+    if self._write_dir != self._model_dir:
+      return
+    best_file = storage.join(self._model_dir, BEST_DIR, BEST_FILE)
+    if tf.io.gfile.exists(best_file):
+      storage.write_text(best_file, json.dumps(state, indent=1,
+                                               sort_keys=True))
+
+  def read_best_state(self):
+    """best.json of an earlier run here, or None."""
+    return self._read_json(storage.join(BEST_DIR, BEST_FILE))
 
   @property
   def previous_run(self):

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfdist import compression
 from tfdist import loop_wire
+from tfdist import task as task_lib
 from tfdist.errors import ConfigError
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -87,9 +88,27 @@ def _with_example_axis(labels, outputs):
   return labels, outputs[:, None]
 
 
+def loss_and_outputs(task, model, features, labels, training):
+  """(per-example loss, outputs) of a batch: the task's loss on the
+  model's outputs, or its own compute_loss."""
+  if type(task).compute_loss is task_lib.Task.compute_loss:
+    outputs = model(features, training=training)
+    return per_example_loss(task, labels, outputs), outputs
+  result = task.compute_loss(model, features, labels, training)
+  if isinstance(result, (tuple, list)) and len(result) == 2:
+    loss, outputs = result
+  else:
+    loss, outputs = result, model(features, training=training)
+  return _checked_per_example(task, tf.convert_to_tensor(loss)), outputs
+
+
 def per_example_loss(task, labels, outputs):
   """The task's loss, checked to be per example ([batch] or more)."""
-  loss = task.loss(*_with_example_axis(labels, outputs))
+  return _checked_per_example(task,
+                              task.loss(*_with_example_axis(labels, outputs)))
+
+
+def _checked_per_example(task, loss):
   if loss.shape.rank == 0:
     raise ConfigError(
         f"{task.display_name}'s loss returned a scalar; tfdist needs the "
@@ -141,8 +160,8 @@ class LoopFunctions:
   def _forward_backward(self, features, labels, metric_states):
     model = self._model
     with tf.GradientTape() as tape:
-      outputs = model(features, training=True)
-      per_example = per_example_loss(self._task, labels, outputs)
+      per_example, outputs = loss_and_outputs(self._task, model, features,
+                                              labels, training=True)
       loss = tf.nn.compute_average_loss(
           per_example, global_batch_size=self._global_batch_size)
       if model.losses:
@@ -211,8 +230,8 @@ class LoopFunctions:
   @_PLAIN
   def _eval_step(self, batch, state):
     features, labels, weights = batch
-    outputs = self._model(features, training=False)
-    per_example = per_example_loss(self._task, labels, outputs)
+    per_example, outputs = loss_and_outputs(self._task, self._model,
+                                            features, labels, training=False)
     weights = tf.cast(weights, tf.float32)
     return loop_wire.EvalState(
         state.loss + tf.cast(tf.reduce_sum(per_example * weights),

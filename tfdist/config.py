@@ -5,6 +5,7 @@ No TensorFlow import here.
 """
 
 import dataclasses
+import re
 import types
 
 from tfdist import options as options_lib
@@ -27,6 +28,27 @@ def _validate(config):
       raise ConfigError(
           "profile_steps must be START,END with 0 <= START < END. Received: "
           f"profile_steps={','.join(map(str, config.profile_steps))}")
+  if config.checkpoint and config.mode != "eval":
+    raise ConfigError(f"--checkpoint is read by --mode=eval only. Received: "
+                      f"checkpoint={config.checkpoint!r} with "
+                      f"mode={config.mode}")
+  if config.init_checkpoint_skip:
+    if not config.init_checkpoint:
+      raise ConfigError("--init_checkpoint_skip needs --init_checkpoint. "
+                        f"Received: init_checkpoint_skip="
+                        f"{config.init_checkpoint_skip!r} with no "
+                        "init_checkpoint")
+    try:
+      re.compile(config.init_checkpoint_skip)
+    except re.error as e:
+      raise ConfigError(f"--init_checkpoint_skip is not a regular "
+                        f"expression ({e}). Received: init_checkpoint_skip="
+                        f"{config.init_checkpoint_skip!r}") from None
+  if config.early_stopping_patience and not config.best_metric:
+    raise ConfigError(f"--early_stopping_patience needs --best_metric (the "
+                      f"metric it watches). Received: early_stopping_"
+                      f"patience={config.early_stopping_patience} with no "
+                      "best_metric")
   if (config.allreduce_compression == "powersgd"
       and config.mixed_precision == "mixed_float16"):
     raise ConfigError("--allreduce_compression=powersgd keeps error buffers "

@@ -97,10 +97,32 @@ def _enum(name, default, choices, help_text, section):
   return Option(name, default, help_text, section, "enum", tuple(choices))
 
 
+MODES = ("train_and_eval", "train", "eval", "continuous_eval")
+
 OPTIONS = (
     # run
     _o("model_dir", "", "Checkpoints, TensorBoard events and the export "
        "(required).", "run"),
+    _enum("mode", "train_and_eval", MODES,
+          "train_and_eval: train, evaluating every --eval_every steps and "
+          "at the end. train: no evals. eval: evaluate the latest "
+          "checkpoint in model_dir (or --checkpoint) once, write its eval "
+          "events, change nothing else. continuous_eval: evaluate each new "
+          "checkpoint until one at --train_steps (the sidecar evaluator's "
+          "work, without a TF_CONFIG).", "run"),
+    _o("checkpoint", "", "--mode=eval: evaluate this checkpoint (a "
+       "model_dir/ckpt-N prefix) instead of the latest.", "run"),
+    _o("init_checkpoint", "", "Warm start: the model weights (only) from "
+       "this tfdist checkpoint (ckpt-N prefix or directory), .weights.h5 "
+       "or .keras file, at step 0. Ignored when model_dir holds "
+       "checkpoints (the run resumes).", "run"),
+    _o("init_checkpoint_skip", "", "A regular expression: variables whose "
+       "path matches it (e.g. dense_2, a new head) keep their initial "
+       "values in a warm start.", "run"),
+    _o("callbacks", "", "package.module:function returning a list of "
+       "keras.callbacks.Callback objects, run on the chief at each loop "
+       "call (on_train_batch_end) and each eval (on_epoch_end, with "
+       "val_<metric> logs).", "run"),
     _enum("strategy", "auto", ("auto", *strategies.NAMES),
           "tf.distribute strategy; auto picks from TF_CONFIG and the "
           "visible devices.", "run"),
@@ -139,7 +161,7 @@ OPTIONS = (
     _enum("optimizer", "adam", optimizers.NAMES, "Optimizer.",
           "optimization"),
     _o("learning_rate", 1e-3, "Peak learning rate.", "optimization",
-       above=0),
+       minimum=0),
     _enum("lr_schedule", "constant", LR_SCHEDULES,
           "Learning-rate schedule after the warmup: constant, cosine or "
           "linear decay to --end_learning_rate over --decay_steps, or step "
@@ -181,6 +203,16 @@ OPTIONS = (
     _o("keep_checkpoints", 3, "Checkpoints kept in model_dir.", "output",
        above=0),
     _o("export", True, "Export a SavedModel at the end.", "output"),
+    _o("best_metric", "", "Keep the checkpoint of the best eval of this "
+       "metric (e.g. accuracy, loss) in model_dir/best_checkpoint, which "
+       "--keep_checkpoints never deletes, and export it to "
+       "model_dir/best_export; empty: off.", "output"),
+    _enum("best_mode", "auto", ("auto", "min", "max"),
+          "Whether --best_metric is best when smallest or largest; auto: "
+          "min for names with loss or error in them, else max.", "output"),
+    _o("early_stopping_patience", 0, "With --best_metric: stop after this "
+       "many evals in a row without a better value; 0: never.", "output",
+       minimum=0),
     _o("metrics_file", "", "Append every eval's metrics to this JSON-lines "
        "file as {\"step\": N, \"accuracy\": ...} (what launch.sweep "
        "follows); empty: none.", "output"),
@@ -196,7 +228,7 @@ OPTIONS = (
        "--grad_accum_steps > 1, --jit_compile or PowerSGD's compressed "
        "steps (their gradients all exist only at the end).", "multi_worker"),
     _o("bytes_per_pack", 0, "Bytes per gradient pack with "
-       "--overlap_allreduce (the first pack is at most 256 KiB); 0: 1 MiB.",
+       "--overlap_allreduce (the first pack is at most 256 KiB); 0: 4 MiB.",
        "multi_worker", minimum=0),
     _enum("train_feed", "auto", ("auto", "distributed"),
           "How train batches reach the step. auto: a plain tf.data "

@@ -28,6 +28,10 @@ class Runner(Protocol):
   # True when every replica's slice of a global batch comes from one seeded
   # stream (synchronous training); False gives each worker its own order.
   same_data_everywhere: bool
+  # True when loop calls run one after another in this process (so the
+  # Trainer may stop between any two); False when they run on workers at
+  # once (parameter servers).
+  one_call_at_a_time: bool
 
   def preemption_watched(self, *, save_fn, step_fn, grace_seconds):
     """A context: on SIGTERM, call save_fn, then stop with PreemptedError;
@@ -97,6 +101,7 @@ class SyncRunner:
   """Runs loop functions in this process."""
 
   same_data_everywhere = True
+  one_call_at_a_time = True
 
   def __init__(self, strategy, loops, *, preemptible=True, task_name="local",
                peers=(), plain_feed=True):
@@ -192,6 +197,7 @@ class ParameterServerRunner:
 
   # Async workers must not all read the same batches: unseeded shuffles.
   same_data_everywhere = False
+  one_call_at_a_time = False
 
   def __init__(self, strategy, loops, coordinator):
     self._strategy = strategy

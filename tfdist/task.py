@@ -10,6 +10,8 @@ distribution strategy, checkpoints, summaries and the export.
       def datasets(self): ...              # (train, eval) tf.data.Datasets
       def loss(self, labels, outputs): ... # per-example loss, shape [batch]
       def metrics(self): ...               # [keras.metrics.Metric, ...]
+      # Or, for a loss that needs more than (labels, outputs):
+      def compute_loss(self, model, features, labels, training): ...
 
 A task that needs full control of its input instead defines
 `train_input(context, *, global_batch_size, seed, start_step)` and
@@ -52,6 +54,17 @@ class Task:
   def metrics(self):
     import keras
     return [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
+
+  def compute_loss(self, model, features, labels, training):
+    """The per-example loss of a batch (shape [batch]), or (that loss, the
+    outputs the metrics see). Override it when the loss needs more than
+    (labels, outputs): distillation from a frozen teacher (build it in
+    build_model, so it lives under the strategy, and keep it out of the
+    model), auxiliary losses, several outputs. Returning the loss alone
+    makes the metrics run the model once more. The default: the model's
+    outputs and self.loss."""
+    outputs = model(features, training=training)
+    return self.loss(labels, outputs), outputs
 
   def serving_outputs(self, outputs):
     """The named outputs of the export's serving signature."""

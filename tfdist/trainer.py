@@ -44,6 +44,11 @@ class LoopOptions:
   profile_steps: Optional[tuple] = None
   seed: int = 42
   sigterm_grace_seconds: float = 25.0
+  mode: str = "train_and_eval"
+
+  @property
+  def evaluates(self):
+    return self.mode != "train"
 
   @classmethod
   def from_config(cls, config):
@@ -88,7 +93,8 @@ class Trainer:
                learning_rate: Callable[[int], float],
                replica_checker=None, export_fn=None, after_restore=None,
                hparams: Optional[dict] = None, startup_scalars=None,
-               chief_broadcast=None):
+               chief_broadcast=None, callbacks=None, best=None,
+               warm_start=None):
     self._options = options
     self.model = model
     self.optimizer = optimizer
@@ -108,9 +114,18 @@ class Trainer:
     # Multi-worker: makes every worker take the chief's state after the
     # restore (tfdist.replica_check.ChiefBroadcast).
     self._chief_broadcast = chief_broadcast
+    # A tfdist.callbacks.Callbacks: Keras callbacks, and their stop.
+    self._callbacks = callbacks
+    # A tfdist.best.BestTracker: keeps the best eval's checkpoint and
+    # export, and stops early.
+    self._best = best
+    # Loads the model's weights from another run when model_dir has no
+    # checkpoint (--init_checkpoint); its source, for the log.
+    self._warm_start = warm_start
     self._last_checkpoint = None
     self._iterator, self._iterator_step = None, None
     self._saved_step = None
+    self._last_eval = (None, None)  # (step, metrics)
 
   # Public --------------------------------------------------------------
 
@@ -127,13 +142,25 @@ class Trainer:
     watched = self._runner.preemption_watched(
         save_fn=self._save_unless_saved, step_fn=lambda: self.step,
         grace_seconds=options.sigterm_grace_seconds)
+    callbacks = self._callbacks
     try:
       with watched:
+        if callbacks:
+          callbacks.train_begin(self.step)
         if self.step < options.train_steps:
           train_metrics = self.train(options.train_steps)
-          self._save(self.step)
-        eval_metrics = self.evaluate(self.step)
+          self._save_unless_saved()
+        eval_metrics = {}
+        if options.evaluates:
+          eval_step, eval_metrics = self._last_eval
+          if eval_step != self.step:  # Not evaluated just before a stop.
+            eval_metrics = self.evaluate(self.step)
+            self._track_best(self.step, eval_metrics)
+            if callbacks:
+              callbacks.eval_end(self.step, eval_metrics, train_metrics)
         export_dir = self._export_fn() if self._export_fn else None
+        if callbacks:
+          callbacks.train_end(train_metrics)
     finally:
       self._summaries.close()
     return RunResult(step=self.step, eval_metrics=eval_metrics,
@@ -148,6 +175,14 @@ class Trainer:
   def restore(self):
     """Restores the newest usable checkpoint in model_dir, if any."""
     restored = self._checkpoints.restore()
+    if self._warm_start:
+      if restored:
+        logging.info("%s holds checkpoints: resuming from them, "
+                     "--init_checkpoint ignored.", restored)
+      else:
+        self._warm_start()
+    if self._best:
+      self._best.load(self._checkpoints.read_best_state())
     own_step = self.step
     if restored:
       logging.info("Resumed from %s at step %d.", restored, own_step)
@@ -178,16 +213,33 @@ class Trainer:
     shown = "  ".join(f"{k} {metrics[k]:.4f}" for k in names)
     logging.info("eval  step %d: %s  (%d examples)", step, shown,
                  metrics["examples"])
+    self._last_eval = (step, metrics)
     self._summaries.scalars("eval", step, {k: v for k, v in metrics.items()
                                            if k != "examples"})
     return metrics
+
+  def evaluate_once(self, checkpoint=None):
+    """--mode=eval: restores `checkpoint` (default: the latest in
+    model_dir), evaluates it once and writes its eval events."""
+    started = time.perf_counter()
+    path = self._checkpoints.restore_for_eval(checkpoint)
+    try:
+      metrics = self.evaluate(self.step)
+    finally:
+      self._summaries.close()
+    return RunResult(step=self.step, eval_metrics=metrics, train_metrics={},
+                     checkpoint=path, export_dir=None,
+                     seconds=time.perf_counter() - started)
 
   def evaluate_checkpoints(self, *, timeout_seconds):
     """Sidecar evaluator: evaluates each new checkpoint in model_dir until
     one at train_steps; returns the last metrics, or None on timeout."""
     metrics = None
-    for _ in self._checkpoints.new_checkpoints(timeout_seconds):
+    if self._best:
+      self._best.load(self._checkpoints.read_best_state())
+    for path in self._checkpoints.new_checkpoints(timeout_seconds):
       metrics = self.evaluate(self.step)
+      self._track_best(self.step, metrics, checkpoint=path)
       if self.step >= self._options.train_steps:
         break
     self._summaries.close()
@@ -204,6 +256,9 @@ class Trainer:
         ends.append(_next_multiple(step, every))
     if options.profile_steps:
       ends.extend(s for s in options.profile_steps if s > step)
+    if self._callbacks and self._runner.one_call_at_a_time:
+      # Callbacks see every loop call.
+      ends.append(_next_multiple(step, options.steps_per_loop))
     return min(ends)
 
   def train(self, until_step):
@@ -226,6 +281,8 @@ class Trainer:
       meter.add(sums)
       step += num_steps
       self._iterator_step = step
+      if self._callbacks:
+        self._callbacks.call_end(step, self._call_logs(sums))
       if step % options.log_every == 0 or step == until_step:
         metrics = meter.read(time.perf_counter())
         self._log_progress(step, until_step, metrics, first_step,
@@ -235,13 +292,55 @@ class Trainer:
       if every and (step % every == 0 or step == until_step):
         self._replica_checker.check(step)
       if step < until_step:
-        if options.eval_every and step % options.eval_every == 0:
-          self.evaluate(step)
+        if (options.evaluates and options.eval_every
+            and step % options.eval_every == 0):
+          evaluated = self.evaluate(step)
+          early_stop = self._track_best(step, evaluated)
+          if self._callbacks:
+            self._callbacks.eval_end(step, evaluated,
+                                     metrics or self._call_logs(sums))
           meter.reset(time.perf_counter())
+          if early_stop:
+            break
         if options.checkpoint_every and step % options.checkpoint_every == 0:
-          self._save(step)
+          self._save_unless_saved()  # --best_metric may have saved it.
+      if self._callbacks and self._callbacks.stop_training:
+        logging.info("A callback set model.stop_training at step %d; "
+                     "stopping after a checkpoint.", step)
+        break
     self._profile(step)
     return metrics
+
+  def _track_best(self, step, metrics, checkpoint=None):
+    """After an eval: keeps this step's checkpoint (saved now if it is not
+    yet; a sidecar passes the one it evaluated) and export when the eval
+    is the best so far; returns whether to stop early."""
+    if not self._best:
+      return False
+    best = self._best
+    decision = best.update(step, metrics)
+    if decision.improved:
+      if checkpoint is None:
+        self._save_unless_saved()
+        checkpoint = self._last_checkpoint
+      kept = self._checkpoints.keep_best(checkpoint, best.state())
+      if self._export_fn:
+        self._export_fn(best=True)
+      logging.info("Best %s so far: %.4f at step %d%s.", best.metric,
+                   metrics[best.metric], step,
+                   f", kept in {kept}" if kept else "")
+    else:
+      self._checkpoints.update_best_state(best.state())
+    if decision.stop:
+      logging.info("Early stopping at step %d: no better %s in %d evals "
+                   "(best %.4f at step %d).", step, best.metric,
+                   best.patience, float(best.best_value.numpy()),
+                   int(best.best_step.numpy()))
+    return decision.stop
+
+  def _call_logs(self, sums):
+    return {"loss": sums.loss_sum / max(sums.steps, 1),
+            **self._metrics.results(sums.metric_states)}
 
   def _train_iterator(self, step):
     """The input iterator positioned at `step`, reused across train calls."""

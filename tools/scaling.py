@@ -8,9 +8,11 @@ Step time on N workers:
   T_allreduce(N) = 2(N-1) * alpha * packs + 2(N-1)/N * S / B      (ring)
 S: bytes each worker all-reduces per step; packs: collectives per step
 (PowerSGD runs two; --bytes_per_pack splits one into several). phi: the
-share of the all-reduce hidden behind the backward pass. tfdist reduces
-all gradients after the backward pass (compression needs all of them),
-so for tfdist phi = 0.
+share of the all-reduce hidden behind the backward pass: 0 for the lab
+runs checked here (measured before --overlap_allreduce) and for PowerSGD
+(it needs every gradient); for the plain all-reduce with overlap, fitted
+from an overlap lab run (--overlap_json: tools.netlab with configs C and
+C/serial), and used in the projection.
 
 From the lab JSON (tools.netlab --probe_sizes=...):
 - alpha and B per link and worker count: a least-squares fit of the
@@ -31,10 +33,13 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 from typing import Dict, List, Sequence, Tuple
 
-PHI_TFDIST = 0.0
+PHI_TFDIST = 0.0  # The checked lab runs: before overlap.
+RATES_BITS = {"100mbit": 1e8, "200mbit": 2e8, "500mbit": 5e8, "1gbit": 1e9,
+              "10gbit": 1e10}
 PROJECTED_WORKERS = (8, 16, 32, 64, 128, 256, 512, 1024)
 IDEAL_LINK = (10e-6, 25e9 / 8)  # (alpha, B): Horovod's network, assumed.
 
@@ -57,6 +62,28 @@ def step_seconds(workers, *, compute, size_bytes, alpha, bandwidth, phi=0.0,
 def efficiency(workers, **model):
   """Weak-scaling efficiency: one worker's step time over N workers'."""
   return model["compute"] / step_seconds(workers, **model)
+
+
+def fit_phi(lab, shapes):
+  """[phi of each round] from a lab run of configs C (overlapped) and
+  C/serial on one link: phi = (T_serial - T_overlap) / T_link, with T_link
+  the ring's bytes at the link's nominal rate (no probe fit there, so
+  this is phi against the best case of the link)."""
+  by_config = {r["config"]: r for r in lab["results"]}
+  phis = []
+  for name, serial in by_config.items():
+    overlapped = by_config.get(name.partition("/")[0])
+    if not name.endswith("/serial") or overlapped is None:
+      continue
+    payload = config_payload(overlapped["config"], shapes, 0)
+    link = ring_allreduce_seconds(
+        serial["workers"], payload.size_bytes, alpha=0.0,
+        bandwidth=RATES_BITS[serial["link"]] / 8)
+    phis.extend((t_serial - t_overlap) / link for t_serial, t_overlap in zip(
+        serial["seconds_rounds"], overlapped["seconds_rounds"]))
+  if not phis:
+    raise ValueError("the overlap lab JSON needs configs C and C/serial")
+  return phis
 
 
 def fit_alpha_bandwidth(points: Sequence[Tuple[int, float, float]]):
@@ -229,14 +256,17 @@ def _plot_projection(projections, model, path):
 
 def project(models_compute, fit, *, phi=PHI_TFDIST):
   """{label: [efficiency at each PROJECTED_WORKERS]} for each model and
-  compression; models_compute: {model: (shapes, T_compute seconds)}."""
+  compression; models_compute: {model: (shapes, T_compute seconds)}.
+  `phi` applies to the plain all-reduces; PowerSGD's is 0 (its
+  collectives wait for every gradient)."""
   alpha, bandwidth = fit
   curves = {}
   for model, (shapes, compute) in models_compute.items():
     for name, payload in payloads(shapes).items():
+      hidden = 0.0 if name.startswith("powersgd") else phi
       curves[f"{model} {name}"] = [
           efficiency(n, compute=compute, size_bytes=payload.size_bytes,
-                     alpha=alpha, bandwidth=bandwidth, phi=phi,
+                     alpha=alpha, bandwidth=bandwidth, phi=hidden,
                      packs=payload.packs) for n in PROJECTED_WORKERS]
   return curves
 
@@ -296,7 +326,17 @@ def main(argv):
   within = sum(abs(c.median_error) <= 0.15 for c in predictions)
   print(f"\nLargest prediction error: {100 * worst:.1f}% (against the "
         f"medians: {within} of {len(predictions)} within 15%). phi = "
-        f"{PHI_TFDIST} (tfdist reduces after the whole backward pass).")
+        f"{PHI_TFDIST} (these runs predate --overlap_allreduce).")
+  phi = PHI_TFDIST
+  if flags_.overlap_json:
+    with open(flags_.overlap_json) as source:
+      overlap_lab = json.load(source)
+    phis = fit_phi(overlap_lab, model_shapes(overlap_lab["model"]))
+    phi = min(max(statistics.median(phis), 0.0), 1.0)
+    print(f"phi fitted from {flags_.overlap_json} ({overlap_lab['model']}): "
+          f"{phi:.2f}, median of {len(phis)} rounds [{min(phis):.2f}-"
+          f"{max(phis):.2f}]; the projection uses it for the plain "
+          "all-reduces, and 0 for PowerSGD.")
   per_worker = lab["batch_size"] // min(compute)
   models_compute = {lab["model"]: (shapes, compute[min(compute)])}
   models_compute.update(_other_models(lab, compute[min(compute)],
@@ -310,7 +350,7 @@ def main(argv):
           IDEAL_LINK}
   projections = {}
   for title, fit in settings.items():
-    curves = project(models_compute, fit)
+    curves = project(models_compute, fit, phi=phi)
     projections[title] = curves
     print(f"\nProjected efficiency, {title}; per-worker batch {per_worker}, "
           "T_compute from the lab:")
@@ -336,6 +376,8 @@ if __name__ == "__main__":
                            "tools.netlab --json_out with --probe_sizes.")
   absl_flags.DEFINE_string("plots", "docs", "Write the PNG plots here; "
                            "empty: none.")
+  absl_flags.DEFINE_string("overlap_json", "", "A tools.netlab JSON with "
+                           "configs C and C/serial: fit phi from it.")
   absl_flags.DEFINE_list("models", [], "Also project these zoo models "
                          "(digits input), timing each on one core.")
   app.run(lambda argv: sys.exit(main(argv)))

@@ -1,0 +1,196 @@
+"""What a Keras `fit` user expects of the weights a trainer starts from
+and steps with: warm start and a Task's own loss. Real runs on default
+and mirrored; weights checked against each other."""
+
+import os
+
+import pytest
+
+import artifacts
+from conftest import ROOT
+from conftest import run_cli
+from test_trainer_features import _args
+from test_trainer_features import MIRRORED
+
+
+def _with_path(outside):
+  return {"PYTHONPATH": f"{outside}{os.pathsep}{ROOT}"}
+
+
+# Warm start -----------------------------------------------------------------
+
+_TRAINABLE = "optimizer/_trainable_variables/"
+
+
+def _trainable(model_dir):
+  """{index: array} of the model's trainable weights in the latest
+  checkpoint (Keras 3 saves them once, under the optimizer)."""
+  return {int(k[len(_TRAINABLE):].split("/")[0]): v
+          for k, v in artifacts.model_weights(str(model_dir)).items()
+          if k.startswith(_TRAINABLE)}
+
+
+def _step_zero(model_dir, data_dir, *extra):
+  """Trains one step with a learning rate of 0, so the checkpoint holds
+  the weights the run started from."""
+  return run_cli(*_args(model_dir, data_dir, "--mode=train",
+                        "--train_steps=1", "--learning_rate=0", *extra))
+
+
+@pytest.mark.parametrize("strategy", [[], MIRRORED], ids=["default",
+                                                          "mirrored"])
+def test_warm_start_from_a_tfdist_checkpoint(tmp_path, data_dir, strategy):
+  source = tmp_path / "source"
+  run_cli(*_args(source, data_dir, "--mode=train", "--train_steps=30",
+                 "--learning_rate=0.01"))
+  warm = tmp_path / "warm"
+  proc = _step_zero(warm, data_dir, *strategy, f"--init_checkpoint={source}")
+  assert "Warm start: model weights from" in proc.stderr
+  expected, started = _trainable(source), _trainable(warm)
+  assert sorted(started) == sorted(expected)
+  for index, value in expected.items():
+    assert (started[index] == value).all(), index
+  # A model_dir with checkpoints resumes, and says the flag is ignored.
+  again = run_cli(*_args(warm, data_dir, *strategy, "--mode=train",
+                         "--train_steps=2", f"--init_checkpoint={source}"))
+  assert "--init_checkpoint ignored" in again.stderr
+
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_warm_start_from_keras_files_with_a_new_head(tmp_path, data_dir,
+                                                     suffix):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist import models  # pylint: disable=g-import-not-at-top
+  model = models.build("mlp", input_shape=(8, 8, 1), num_classes=10)
+  model(tf.zeros([1, 8, 8, 1]))
+  path = str(tmp_path / f"source{suffix}")
+  if suffix == ".keras":
+    model.save(path)
+  else:
+    model.save_weights(path)
+  # The last layer's name ("logits"): the CLI's paths do not carry the
+  # model's name as a prefix.
+  head = model.trainable_variables[-1].path.split("/")[-2]
+  fresh = tmp_path / "fresh"
+  _step_zero(fresh, data_dir)
+  warm = tmp_path / "warm"
+  proc = _step_zero(warm, data_dir, f"--init_checkpoint={path}",
+                    f"--init_checkpoint_skip=(^|/){head}/")
+  assert "but 2 variable(s) matching" in proc.stderr, proc.stderr
+  started, initial = _trainable(warm), _trainable(fresh)
+  for index, variable in enumerate(model.trainable_variables):
+    expected = (initial[index] if f"/{head}/" in f"/{variable.path}"
+                else variable.numpy())
+    assert (started[index] == expected).all(), variable.path
+  assert not (started[0] == initial[0]).all()  # The body did change.
+
+
+def test_warm_start_from_nothing_is_one_line(tmp_path, data_dir):
+  proc = run_cli(*_args(tmp_path / "run", data_dir,
+                        f"--init_checkpoint={tmp_path}/missing"),
+                 check=False)
+  assert proc.returncode != 0
+  assert "tfdist: error: --init_checkpoint=" in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert not os.path.exists(tmp_path / "run" / "checkpoint")
+
+
+def _max_relative_difference(a, b):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  return max(float(np.max(np.abs(a[k] - b[k]) / (np.abs(b[k]) + 1e-6)))
+             for k in b if a[k].dtype.kind == "f")
+
+
+# A Task's own loss -------------------------------------------------------
+
+_LOSS_TASKS = '''
+import keras
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+import tfdist
+
+
+def _split():
+  x, y = load_digits(return_X_y=True)
+  x = (x / 16.0).astype("float32")
+  y = y.astype("int32")
+  return (tf.data.Dataset.from_tensor_slices((x[:1400], y[:1400])),
+          tf.data.Dataset.from_tensor_slices((x[1400:], y[1400:])))
+
+
+class Plain(tfdist.Task):
+  def build_model(self):
+    return keras.Sequential([keras.Input((64,)),
+                             keras.layers.Dense(32, activation="relu"),
+                             keras.layers.Dense(10)])
+
+  def datasets(self):
+    return _split()
+
+
+class OwnLoss(Plain):
+  """The default loss, written by hand: the same weights."""
+
+  def compute_loss(self, model, features, labels, training):
+    logits = model(features, training=training)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+    return loss, logits
+
+
+class Distill(Plain):
+  """A frozen teacher's soft labels mixed in with weight ALPHA."""
+
+  ALPHA = 0.5
+
+  def build_model(self):
+    # Built with the student, under the strategy; not part of the model,
+    # so it is neither trained nor saved.
+    student = super().build_model()  # First: the same init as Plain.
+    self.teacher = keras.Sequential([keras.Input((64,)),
+                                     keras.layers.Dense(10)])
+    self.teacher.trainable = False
+    return student
+
+  def compute_loss(self, model, features, labels, training):
+    logits = model(features, training=training)
+    soft = tf.nn.softmax(self.teacher(features, training=False))
+    hard = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+    distilled = tf.nn.softmax_cross_entropy_with_logits(soft, logits)
+    return (1 - self.ALPHA) * hard + self.ALPHA * distilled  # Loss only.
+
+
+class NoTeacher(Distill):
+  ALPHA = 0.0
+'''
+
+
+@pytest.fixture
+def loss_tasks(tmp_path):
+  outside = tmp_path / "user"
+  outside.mkdir()
+  (outside / "losstasks.py").write_text(_LOSS_TASKS)
+  return outside
+
+
+def _task_run(model_dir, data_dir, outside, task, *extra):
+  return run_cli(*_args(model_dir, data_dir, f"--task=losstasks:{task}",
+                        "--mode=train", "--train_steps=40", *extra),
+                 env=_with_path(outside))
+
+
+@pytest.mark.parametrize("strategy", [[], MIRRORED], ids=["default",
+                                                          "mirrored"])
+def test_a_tasks_own_loss(tmp_path, data_dir, loss_tasks, strategy):
+  _task_run(tmp_path / "plain", data_dir, loss_tasks, "Plain")
+  plain = artifacts.model_weights(str(tmp_path / "plain"))
+  for task in ("OwnLoss", "NoTeacher"):
+    _task_run(tmp_path / task, data_dir, loss_tasks, task, *strategy)
+    artifacts.assert_weights_close(
+        artifacts.model_weights(str(tmp_path / task)), plain, rtol=1e-5)
+  # The teacher's soft labels do change the training.
+  _task_run(tmp_path / "distill", data_dir, loss_tasks, "Distill",
+            *strategy)
+  assert _max_relative_difference(
+      artifacts.model_weights(str(tmp_path / "distill")), plain) > 1e-3

@@ -1,0 +1,99 @@
+"""The best eval so far, and early stopping (--best_metric,
+--best_mode, --early_stopping_patience).
+
+Every worker decides from the same reduced eval metrics, so every worker
+takes the same decision without a message: whether to keep this step's
+checkpoint as the best, and whether to stop.
+"""
+
+import dataclasses
+import math
+
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+
+BEST_EXPORT_DIR = "best_export"
+
+
+def resolve_mode(metric, mode):
+  """auto: min for names with "loss" or "error" in them, else max."""
+  if mode != "auto":
+    return mode
+  return "min" if ("loss" in metric or "error" in metric) else "max"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  improved: bool
+  stop: bool
+
+
+class BestTracker:
+  """Follows one eval metric across evals, and across resumes: its state
+  is three variables, written to model_dir/best_checkpoint/best.json with
+  each change and read back (then sent from the chief to every worker,
+  with the restored checkpoint)."""
+
+  def __init__(self, *, metric, mode, patience=0, metric_names=()):
+    if metric_names and metric not in metric_names:
+      raise ConfigError(f"--best_metric must be an eval metric of this "
+                        f"task ({', '.join(metric_names)}). Received: "
+                        f"best_metric={metric!r}")
+    if mode not in ("min", "max"):
+      raise ConfigError(f"--best_mode must be min or max (or auto). "
+                        f"Received: best_mode={mode!r}")
+    if patience < 0:
+      raise ConfigError(f"--early_stopping_patience must be >= 0. Received: "
+                        f"early_stopping_patience={patience}")
+    self.metric = metric
+    self.mode = mode
+    self.patience = patience
+    # Local to this worker (outside any strategy scope). NaN: no eval yet.
+    self.best_value = tf.Variable(math.nan, dtype=tf.float64,
+                                  trainable=False, name="best_value")
+    self.best_step = tf.Variable(-1, dtype=tf.int64, trainable=False,
+                                 name="best_step")
+    self.evals_without_improvement = tf.Variable(
+        0, dtype=tf.int64, trainable=False, name="evals_without_improvement")
+
+  @property
+  def variables(self):
+    return [self.best_value, self.best_step, self.evals_without_improvement]
+
+  def state(self):
+    return {"metric": self.metric, "mode": self.mode,
+            "value": float(self.best_value.numpy()),
+            "step": int(self.best_step.numpy()),
+            "evals_without_improvement": int(
+                self.evals_without_improvement.numpy())}
+
+  def load(self, state):
+    """Takes a state() written by an earlier run on the same metric."""
+    if not state or state.get("metric") != self.metric or (
+        state.get("mode") != self.mode):
+      return
+    self.best_value.assign(state["value"])
+    self.best_step.assign(state["step"])
+    self.evals_without_improvement.assign(state["evals_without_improvement"])
+
+  def _better(self, value):
+    if math.isnan(value):
+      return False
+    best = float(self.best_value.numpy())
+    if math.isnan(best):
+      return True
+    return value < best if self.mode == "min" else value > best
+
+  def update(self, step, metrics) -> Decision:
+    value = float(metrics[self.metric])
+    improved = self._better(value)
+    if improved:
+      self.best_value.assign(value)
+      self.best_step.assign(step)
+      self.evals_without_improvement.assign(0)
+    else:
+      self.evals_without_improvement.assign_add(1)
+    stop = bool(self.patience) and (
+        int(self.evals_without_improvement.numpy()) >= self.patience)
+    return Decision(improved=improved, stop=stop)
