@@ -146,8 +146,9 @@ class CheckpointStore:
 
   def keep_best(self, path, state):
     """Copies checkpoint `path` to model_dir/best_checkpoint (replacing
-    the one there), with `state` in best.json: --keep_checkpoints never deletes
-    it. The chief's copy only (other workers write nowhere shared)."""
+    the one there), with `state` in best.json: --keep_checkpoints never
+    deletes it. The chief's copy only (other workers write nowhere
+    shared)."""
     if self._write_dir != self._model_dir:
       return None
     best_dir = storage.join(self._model_dir, BEST_DIR)
