@@ -163,3 +163,30 @@ def test_tasks_are_pinned_to_cores_in_their_namespace():
                                      unpinned.task_ns[1], "x"]
   with pytest.raises(ValueError, match="Received: cores=0"):
     netlab.Lab(tasks=2, rate_bits=1e9, cores=0)
+
+
+def test_lab_configs_name_their_module_and_flags():
+  assert netlab.parse_config("float16") == (
+      "tfdist.train", ["--allreduce_dtype=float16"])
+  assert netlab.parse_config("float32/serial") == (
+      "tfdist.train", ["--allreduce_dtype=float32", "--nooverlap_allreduce"])
+  assert netlab.parse_config("powersgd:2") == (
+      "tfdist.train", ["--allreduce_compression=powersgd",
+                       "--powersgd_rank=2"])
+  module, flags = netlab.parse_config("raw")
+  assert module.endswith(".raw_mwms") and flags == []
+  assert netlab.parse_config("alone") == ("alone", [])
+  for bad in ("float32/fast", "powersgd:0", "int8"):
+    with pytest.raises(ValueError, match=f"Received: '{bad}'"):
+      netlab.parse_config(bad)
+
+
+def test_speedups_are_taken_round_by_round():
+  base = netlab.combine([_result(0.30), _result(0.60), _result(0.33)])
+  other = netlab.combine([_result(0.20, config="raw"),
+                          _result(0.30, config="raw"),
+                          _result(0.30, config="raw")])
+  assert netlab.speedups(other, base) == pytest.approx([1.5, 2.0, 1.1])
+  text = netlab.table([base, other])
+  assert "| raw | 0 | 0.300 |" in text
+  assert "1.50x [1.10-2.00]" in text
