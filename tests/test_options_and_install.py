@@ -62,7 +62,7 @@ def test_bad_option_values_name_the_option():
   for kwargs, expected in [
       ({"batch_size": 0}, "Received: batch_size=0"),
       ({"batch_size": "64"}, "batch_size takes an integer"),
-      ({"learning_rate": -1.0}, "learning_rate must be > 0"),
+      ({"learning_rate": -1.0}, "learning_rate must be >= 0"),
       ({"lr_schedule": "warp"}, "Unrecognized lr_schedule: 'warp'"),
       ({"clip_norm": 1.0, "mixed_precision": "mixed_float16"},
        "clip_norm would clip loss-scaled"),
