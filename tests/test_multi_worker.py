@@ -128,7 +128,7 @@ def test_stalled_worker_gives_an_error_naming_it(tmp_path, data_dir):
   finally:
     if process_alive(stalled):
       os.kill(stalled, signal.SIGCONT)
-  assert code == 2
+  assert code == 2, output[-3000:]
   assert re.search(r"worker:0 \| tfdist: error: a collective on worker:0 "
                    r"timed out \(--collective_timeout\): a peer stopped "
                    r"answering. Peers: worker:1 \(127.0.0.1:\d+\)", output)

@@ -182,11 +182,17 @@ class SyncRunner:
       return loop_fn(iterator, tf.constant(num_steps, tf.int32),
                      tf.constant(stop, tf.float32)).numpy()
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
-            tf.errors.AbortedError) as e:
+            tf.errors.AbortedError, tf.errors.CancelledError) as e:
+      # With several collectives in flight (the overlapped packs), the one
+      # that timed out may cancel the others, and which error surfaces
+      # first varies: its message still says it was a timeout.
       if not self._peers:
         raise
-      what = ("timed out (--collective_timeout)" if isinstance(
-          e, tf.errors.DeadlineExceededError) else "lost a peer")
+      timed_out = isinstance(e, tf.errors.DeadlineExceededError) or any(
+          word in e.message.lower() for word in ("deadline", "timeout",
+                                                 "timed out"))
+      what = ("timed out (--collective_timeout)" if timed_out
+              else "lost a peer")
       raise PeerError(
           f"a collective on {self._task_name} {what}: a peer stopped "
           f"answering. Peers: {', '.join(self._peers)}.") from None
