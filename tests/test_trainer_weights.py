@@ -7,14 +7,10 @@ import os
 import pytest
 
 import artifacts
-from conftest import ROOT
 from conftest import run_cli
 from test_trainer_features import _args
+from test_trainer_features import _with_path
 from test_trainer_features import MIRRORED
-
-
-def _with_path(outside):
-  return {"PYTHONPATH": f"{outside}{os.pathsep}{ROOT}"}
 
 
 # Warm start -----------------------------------------------------------------

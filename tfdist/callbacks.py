@@ -85,7 +85,6 @@ class Callbacks:
                sync=None):
     self._model = _CallbackModel(model, optimizer)
     self._optimizer = optimizer
-    self._is_chief = is_chief
     self._sync = sync
     self._list = keras.callbacks.CallbackList(
         check(callbacks) if is_chief else [], model=self._model,

@@ -161,18 +161,16 @@ class CheckpointStore:
     storage.write_text(storage.join(best_dir, "checkpoint"),
                        f'model_checkpoint_path: "{prefix}"\n'
                        f'all_model_checkpoint_paths: "{prefix}"\n')
-    storage.write_text(storage.join(best_dir, BEST_FILE),
-                       json.dumps(state, indent=1, sort_keys=True))
+    self._write_json(storage.join(BEST_DIR, BEST_FILE), state)
     return storage.join(best_dir, prefix)
 
   def update_best_state(self, state):
     """Rewrites best.json (the count of evals without improvement)."""
     if self._write_dir != self._model_dir:
       return
-    best_file = storage.join(self._model_dir, BEST_DIR, BEST_FILE)
-    if tf.io.gfile.exists(best_file):
-      storage.write_text(best_file, json.dumps(state, indent=1,
-                                               sort_keys=True))
+    name = storage.join(BEST_DIR, BEST_FILE)
+    if tf.io.gfile.exists(storage.join(self._model_dir, name)):
+      self._write_json(name, state)
 
   def read_best_state(self):
     """best.json of an earlier run here, or None."""
