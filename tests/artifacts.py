@@ -72,3 +72,19 @@ def hparams(log_dir):
             return {name: getattr(v, v.WhichOneof("kind"))
                     for name, v in data.session_start_info.hparams.items()}
   return {}
+
+
+def variables_by_name(checkpoint_path):
+  """{variable name: array} of a checkpoint, from its object graph (the
+  keys are object paths; the names say which variable is which)."""
+  from tensorflow.core.protobuf import trackable_object_graph_pb2  # pylint: disable=g-import-not-at-top
+  reader = tf.train.load_checkpoint(checkpoint_path)
+  graph = trackable_object_graph_pb2.TrackableObjectGraph()
+  graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+  found = {}
+  for node in graph.nodes:
+    for attribute in node.attributes:
+      if attribute.name == "VARIABLE_VALUE":
+        found[attribute.full_name] = reader.get_tensor(
+            attribute.checkpoint_key)
+  return found

@@ -9,6 +9,7 @@ import pytest
 import artifacts
 from conftest import run_cli
 from test_trainer_features import _args
+from test_trainer_features import _final_evals
 from test_trainer_features import _with_path
 from test_trainer_features import MIRRORED
 
@@ -190,3 +191,73 @@ def test_a_tasks_own_loss(tmp_path, data_dir, loss_tasks, strategy):
             *strategy)
   assert _max_relative_difference(
       artifacts.model_weights(str(tmp_path / "distill")), plain) > 1e-3
+
+
+# A moving average of the weights --------------------------------------------
+
+def _ema_run(model_dir, data_dir, *extra):
+  return run_cli(*_args(model_dir, data_dir, "--optimizer=sgd",
+                        "--learning_rate=0.5", "--steps_per_loop=1",
+                        "--log_every=1", "--checkpoint_every=1",
+                        "--keep_checkpoints=5", "--export", *extra))
+
+
+@pytest.mark.parametrize("strategy", [[], MIRRORED], ids=["default",
+                                                          "mirrored"])
+def test_ema_is_kept_saved_and_used_for_eval_and_export(tmp_path, data_dir,
+                                                        strategy):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  averaged = tmp_path / "ema"
+  ema = _ema_run(averaged, data_dir, *strategy, "--train_steps=2",
+                 "--eval_every=1", "--ema_decay=0.25")
+  first = artifacts.variables_by_name(str(averaged / "ckpt-1"))
+  second = artifacts.variables_by_name(str(averaged / "ckpt-2"))
+  names = [n for n in second if _average_of(n) in second]
+  assert len(names) == 6, sorted(second)  # 3 kernels, 3 biases.
+  for name in names:
+    # The first step's average is its weights; then 0.25 old + 0.75 new.
+    np.testing.assert_allclose(
+        second[_average_of(name)],
+        0.25 * first[name] + 0.75 * second[name], rtol=1e-5, atol=1e-7)
+  # Training steps with the raw weights: the same as without the average
+  # (the swap for the eval at step 1 put them back).
+  plain = tmp_path / "plain"
+  _ema_run(plain, data_dir, "--train_steps=2", "--eval_every=1")
+  raw = artifacts.variables_by_name(str(plain / "ckpt-2"))
+  for name in names:
+    np.testing.assert_allclose(second[name], raw[name], rtol=1e-5,
+                               atol=1e-7)
+  # Eval and the export use the average, not the raw weights.
+  plain_evals = _final_evals(run_cli(*_args(plain, data_dir,
+                                               "--mode=eval")).stdout)
+  assert _final_evals(ema.stdout) != pytest.approx(plain_evals,
+                                                      abs=1e-4)
+  again = run_cli(*_args(averaged, data_dir, *strategy, "--mode=eval",
+                         "--ema_decay=0.25"))
+  assert _final_evals(again.stdout) == pytest.approx(
+      _final_evals(ema.stdout), abs=1e-4)
+  inputs = tf.random.stateless_uniform([4, 8, 8, 1], (3, 4))
+  exported = tf.saved_model.load(str(averaged / "export"))
+  served = exported.signatures["serving_default"](
+      images=inputs)["logits"].numpy()
+  expected = _mlp_logits(second, names, inputs.numpy())
+  np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-5)
+
+
+def _average_of(name):
+  """The name Keras gives the moving average of variable `name` (SGD)."""
+  return f"sgd/{name.replace('/', '_')}_average"
+
+
+def _mlp_logits(variables, names, images):
+  """The zoo mlp's logits with the checkpoint's averaged weights."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  average = {n: variables[_average_of(n)] for n in names}
+  kernels = sorted(n for n in names if n.endswith("kernel"))
+  x = images.reshape(len(images), -1)
+  for index, kernel in enumerate(kernels):
+    x = x @ average[kernel] + average[kernel.replace("kernel", "bias")]
+    if index < len(kernels) - 1:
+      x = np.maximum(x, 0.0)
+  return x

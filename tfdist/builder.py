@@ -18,6 +18,7 @@ from tfdist import compiled_loops
 from tfdist import compression
 from tfdist import data
 from tfdist import devices
+from tfdist import ema
 from tfdist import export
 from tfdist import optimizers
 from tfdist import placement
@@ -204,7 +205,7 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
     schedule = optimizers.schedule_kwargs(config)
     optimizer = optimizers.create(
         config.optimizer, schedule=schedule, weight_decay=config.weight_decay,
-        mixed_precision=config.mixed_precision)
+        mixed_precision=config.mixed_precision, ema_decay=config.ema_decay)
     optimizer.build(model.trainable_variables)
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                               name="global_step")
@@ -259,10 +260,11 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
     # write_dir is model_dir.
     export_dir = storage.join(
         write_dir, best_lib.BEST_EXPORT_DIR if best else "export")
-    export.export_saved_model(
-        model, serving_outputs=task.serving_outputs,
-        features_spec=inputs.features_spec, export_dir=export_dir,
-        input_name="images" if inputs.image_input else "features")
+    with ema.averaged_weights(optimizer):
+      export.export_saved_model(
+          model, serving_outputs=task.serving_outputs,
+          features_spec=inputs.features_spec, export_dir=export_dir,
+          input_name="images" if inputs.image_input else "features")
     logging.info("Exported SavedModel to %s.", export_dir)
     return export_dir
 
@@ -303,6 +305,7 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
               *(tracker.variables if tracker else ())])
                        if info.peers else None),
       callbacks=keras_callbacks, best=tracker,
+      eval_weights=functools.partial(ema.averaged_weights, optimizer),
       warm_start=(functools.partial(
           warm_start_lib.load, model, config.init_checkpoint,
           skip=config.init_checkpoint_skip)

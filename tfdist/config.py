@@ -44,6 +44,9 @@ def _validate(config):
       raise ConfigError(f"--init_checkpoint_skip is not a regular "
                         f"expression ({e}). Received: init_checkpoint_skip="
                         f"{config.init_checkpoint_skip!r}") from None
+  if not config.ema_decay < 1:
+    raise ConfigError(f"--ema_decay must be below 1 (0: off). Received: "
+                      f"ema_decay={config.ema_decay:g}")
   if config.early_stopping_patience and not config.best_metric:
     raise ConfigError(f"--early_stopping_patience needs --best_metric (the "
                       f"metric it watches). Received: early_stopping_"

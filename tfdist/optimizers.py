@@ -82,8 +82,10 @@ def _keras_schedule(kwargs):
   return Schedule()
 
 
-def create(name, *, schedule, weight_decay=0.0, mixed_precision="none"):
-  """An optimizer; `schedule` is schedule_kwargs(config)."""
+def create(name, *, schedule, weight_decay=0.0, mixed_precision="none",
+           ema_decay=0.0):
+  """An optimizer; `schedule` is schedule_kwargs(config). `ema_decay`:
+  keep a moving average of the weights (0: none)."""
   import keras
   if name not in _OPTIMIZERS:
     raise ConfigError(f"Unrecognized optimizer: {name!r}. "
@@ -92,6 +94,8 @@ def create(name, *, schedule, weight_decay=0.0, mixed_precision="none"):
   rate = (schedule["learning_rate"] if schedule["schedule"] == "constant"
           and not schedule["warmup_steps"] else _keras_schedule(schedule))
   extra = {"weight_decay": weight_decay} if weight_decay else {}
+  if ema_decay:
+    extra.update(use_ema=True, ema_momentum=ema_decay)
   optimizer = getattr(keras.optimizers, class_name)(
       learning_rate=rate, **fixed, **extra)
   if mixed_precision == "mixed_float16":

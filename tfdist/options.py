@@ -176,6 +176,10 @@ OPTIONS = (
        "all-reduce; 0: no clipping.", "optimization", minimum=0),
     _o("weight_decay", 0.0, "Decoupled weight decay (the optimizer's "
        "weight_decay).", "optimization", minimum=0),
+    _o("ema_decay", 0.0, "Keep an exponential moving average of the "
+       "weights with this decay (Keras's use_ema, ema_momentum); eval and "
+       "the export use it, checkpoints save it. 0: off.", "optimization",
+       minimum=0),
     _o("grad_accum_steps", 1, "Run each replica's batch as K micro-batches "
        "and sum their gradients before the one update.", "optimization",
        above=0),

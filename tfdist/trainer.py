@@ -6,6 +6,7 @@ the checkpoint store and the summaries. How steps run on each strategy
 lives in the runner; this loop is the same for all of them.
 """
 
+import contextlib
 import dataclasses
 import datetime
 import time
@@ -94,7 +95,7 @@ class Trainer:
                replica_checker=None, export_fn=None, after_restore=None,
                hparams: Optional[dict] = None, startup_scalars=None,
                chief_broadcast=None, callbacks=None, best=None,
-               warm_start=None):
+               warm_start=None, eval_weights=None):
     self._options = options
     self.model = model
     self.optimizer = optimizer
@@ -122,6 +123,9 @@ class Trainer:
     # Loads the model's weights from another run when model_dir has no
     # checkpoint (--init_checkpoint); its source, for the log.
     self._warm_start = warm_start
+    # A context in which the model holds the weights evals use (the
+    # moving average with --ema_decay).
+    self._eval_weights = eval_weights or contextlib.nullcontext
     self._last_checkpoint = None
     self._iterator, self._iterator_step = None, None
     self._saved_step = None
@@ -203,8 +207,9 @@ class Trainer:
 
   def evaluate(self, step):
     """One pass over the eval split (or eval_steps batches), exact."""
-    sums = self._runner.evaluate(self._inputs.eval_fn(),
-                                 self._inputs.eval_steps)
+    with self._eval_weights():
+      sums = self._runner.evaluate(self._inputs.eval_fn(),
+                                   self._inputs.eval_steps)
     examples = max(sums.examples, 1.0)
     metrics = {"loss": sums.loss_sum / examples,
                **self._metrics.results(sums.metric_states),
