@@ -16,6 +16,7 @@ from tfdist import callbacks as callbacks_lib
 from tfdist import checkpoints
 from tfdist import compiled_loops
 from tfdist import compression
+from tfdist import config as config_lib
 from tfdist import data
 from tfdist import devices
 from tfdist import ema
@@ -122,6 +123,17 @@ def check_model_fits_data(task, model, sample):
   return labels, outputs
 
 
+def _check_integer_labels(labels):
+  """--class_weight needs one integer class per example."""
+  if not (isinstance(labels, tf.Tensor) and labels.dtype.is_integer and (
+      labels.shape.rank == 1 or (labels.shape.rank == 2
+                                 and labels.shape[-1] == 1))):
+    raise ConfigError(
+        "--class_weight needs one integer class label per example. "
+        f"Received: labels {getattr(labels, 'dtype', type(labels).__name__)}"
+        f" of shape {getattr(labels, 'shape', '?')} per batch")
+
+
 def _log_ps_placement(model):
   """Bytes of model variables per parameter server."""
   def task_of(weight):
@@ -213,13 +225,16 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
   if config.allreduce_compression != "none" and info.num_replicas > 1:
     logging.info("%s.", reducer.describe())
   example = check_model_fits_data(task, model, sample)
+  class_weight = config_lib.class_weights(config.class_weight)
+  if class_weight:
+    _check_integer_labels(sample[1])
   metrics = compiled_loops.Metrics(task.metrics(), example=example)
   loops = compiled_loops.LoopFunctions(
       strategy=strategy, model=model, optimizer=optimizer, task=task,
       metrics=metrics, global_batch_size=config.batch_size,
       steps_per_loop=config.steps_per_loop, global_step=global_step,
       grad_accum_steps=config.grad_accum_steps, clip_norm=config.clip_norm,
-      reducer=reducer,
+      reducer=reducer, class_weight=class_weight,
       jit_compile=preflight.jit_mode(config, info, local))
   runner = runners.create(info, loops, train_feed=config.train_feed)
   store = checkpoints.CheckpointStore(

@@ -126,7 +126,9 @@ class LoopFunctions:
   def __init__(self, *, strategy, model, optimizer, task, metrics,
                global_batch_size, steps_per_loop, global_step,
                grad_accum_steps=1, clip_norm=0.0, reducer=None,
-               jit_compile="none"):
+               jit_compile="none", class_weight=None):
+    """`class_weight`: {class: weight} for integer labels, as Keras `fit`
+    has it (training only; classes not in it weigh 1)."""
     self._strategy = strategy
     self._model = model
     self._optimizer = optimizer
@@ -139,6 +141,7 @@ class LoopFunctions:
     self._global_step = global_step
     self._accum = grad_accum_steps
     self._clip_norm = clip_norm
+    self._class_weight = class_weight
     self.reducer = reducer or compression.PlainReducer()
     # The step all-reduces its gradients itself (compression, clipping
     # after the reduction), so the optimizer must not do it again.
@@ -156,28 +159,49 @@ class LoopFunctions:
 
   # Replica steps ---------------------------------------------------------
 
+  def _train_weights(self, labels, sample_weight):
+    """Each example's weight: its sample_weight times its class weight;
+    None when both are absent (all 1)."""
+    if not self._class_weight:
+      return sample_weight
+    # Classes past the largest one given weigh 1, like those left out.
+    table = [1.0] * (max(self._class_weight) + 2)
+    for label, weight in self._class_weight.items():
+      table[label] = weight
+    index = tf.minimum(tf.reshape(tf.cast(labels, tf.int32), [-1]),
+                       len(table) - 1)
+    weights = tf.gather(tf.constant(table, tf.float32), index)
+    return weights if sample_weight is None else weights * sample_weight
+
   @_PLAIN
-  def _forward_backward(self, features, labels, metric_states):
+  def _forward_backward(self, features, labels, sample_weight,
+                        metric_states):
     model = self._model
     with tf.GradientTape() as tape:
       per_example, outputs = loss_and_outputs(self._task, model, features,
                                               labels, training=True)
+      # Keras's sample_weight: the weighted sum over the global batch,
+      # divided by the global batch size.
       loss = tf.nn.compute_average_loss(
-          per_example, global_batch_size=self._global_batch_size)
+          per_example, sample_weight=sample_weight,
+          global_batch_size=self._global_batch_size)
       if model.losses:
         loss += tf.nn.scale_regularization_loss(
             tf.add_n(model.losses)) / self._accum
       scaled = self._optimizer.scale_loss(loss)
     grads = tape.gradient(scaled, model.trainable_variables)
-    return loss, grads, self.metrics.update(metric_states, labels, outputs)
+    return loss, grads, self.metrics.update(metric_states, labels, outputs,
+                                            sample_weight=sample_weight)
 
   @_PLAIN
-  def _accumulated(self, features, labels, metric_states):
+  def _accumulated(self, features, labels, sample_weight, metric_states):
     """K micro-batches one after another (a while loop, so only one
     micro-batch's activations are alive at a time); gradients summed."""
     k = self._accum
 
     def micro(structure, i):
+      if structure is None:  # No sample weights (tf.nest maps None too).
+        return None
       return tf.nest.map_structure(
           lambda t: tf.reshape(t, tf.concat([[k, -1], tf.shape(t)[1:]], 0))[i],
           structure)
@@ -190,7 +214,8 @@ class LoopFunctions:
 
     def body(i, loss, grads, states):
       step_loss, step_grads, states = self._gradients(
-          micro(features, i), micro(labels, i), states)
+          micro(features, i), micro(labels, i), micro(sample_weight, i),
+          states)
       summed = []
       for index, (total, grad) in enumerate(zip(grads, step_grads)):
         if grad is None:
@@ -210,13 +235,16 @@ class LoopFunctions:
 
   @_PLAIN
   def _train_step(self, batch, state, index, compressed=False):
-    features, labels = batch
+    features, labels, *sample_weight = batch
+    weights = self._train_weights(
+        labels, tf.cast(sample_weight[0], tf.float32) if sample_weight
+        else None)
     if self._accum > 1:
       loss, grads, metric_states = self._accumulated(features, labels,
-                                                     state.metrics)
+                                                     weights, state.metrics)
     else:
       loss, grads, metric_states = self._gradients(features, labels,
-                                                   state.metrics)
+                                                   weights, state.metrics)
     grads = self.reducer.reduce(grads, compressed)
     if self._clip_norm:
       grads, _ = tf.clip_by_global_norm(grads, self._clip_norm)
@@ -229,14 +257,19 @@ class LoopFunctions:
 
   @_PLAIN
   def _eval_step(self, batch, state):
-    features, labels, weights = batch
+    # mask: 0 on padding. As in Keras's evaluate, the loss is the weighted
+    # sum over the real examples divided by their number; metrics weigh
+    # each example by its sample_weight.
+    features, labels, mask, *sample_weight = batch
     per_example, outputs = loss_and_outputs(self._task, self._model,
                                             features, labels, training=False)
-    weights = tf.cast(weights, tf.float32)
+    mask = tf.cast(mask, tf.float32)
+    weights = mask * tf.cast(sample_weight[0], tf.float32) if (
+        sample_weight) else mask
     return loop_wire.EvalState(
         state.loss + tf.cast(tf.reduce_sum(per_example * weights),
                              tf.float64),
-        state.examples + tf.reduce_sum(tf.cast(weights, tf.float64)),
+        state.examples + tf.reduce_sum(tf.cast(mask, tf.float64)),
         self.metrics.update(state.metrics, labels, outputs,
                             sample_weight=weights))
 

@@ -12,6 +12,25 @@ from tfdist import options as options_lib
 from tfdist.errors import ConfigError
 
 
+def class_weights(text):
+  """{class: weight} of --class_weight ("CLASS:WEIGHT,..."); {} if empty."""
+  weights = {}
+  for item in filter(None, text.replace(" ", "").split(",")):
+    label, _, weight = item.partition(":")
+    try:
+      label, weight = int(label), float(weight)
+    except ValueError:
+      label = None
+    if label is None or label < 0 or label > 1_000_000 or label in weights \
+        or not 0 <= weight < float("inf"):
+      raise ConfigError(
+          f"--class_weight must be CLASS:WEIGHT pairs, each class once, an "
+          f"integer from 0 to 1000000, each weight finite and >= 0. "
+          f"Received: class_weight={text!r}")
+    weights[label] = weight
+  return weights
+
+
 def _validate(config):
   if not config.model_dir:
     raise ConfigError("--model_dir is required.")
@@ -44,6 +63,7 @@ def _validate(config):
       raise ConfigError(f"--init_checkpoint_skip is not a regular "
                         f"expression ({e}). Received: init_checkpoint_skip="
                         f"{config.init_checkpoint_skip!r}") from None
+  class_weights(config.class_weight)
   if not config.ema_decay < 1:
     raise ConfigError(f"--ema_decay must be below 1 (0: off). Received: "
                       f"ema_decay={config.ema_decay:g}")

@@ -1,12 +1,13 @@
 """Input pipelines, and the built-in datasets: `digits` (offline),
 `synthetic`, and tfds image catalog names.
 
-A Dataset holds unbatched (features, labels) examples per split, where
-features is a tensor or a dict of tensors. The input functions here do the
-shuffling, epochs, host sharding, per-replica batching and resume skip:
-train batches are (features, labels), eval batches (features, labels,
-weights), where padding examples carry weight 0 so eval counts each real
-example exactly once.
+A Dataset holds unbatched (features, labels) or (features, labels,
+sample_weight) examples per split, where features is a tensor or a dict of
+tensors. The input functions here do the shuffling, epochs, host sharding,
+per-replica batching and resume skip: train batches are the examples
+batched; eval batches are (features, labels, mask) or (features, labels,
+mask, sample_weight), where the mask is 0 on padding examples so that eval
+counts each real example exactly once.
 """
 
 import dataclasses
@@ -57,15 +58,22 @@ def _count(dataset):
 
 
 def from_user(name, train, test):
-  """A Dataset from two unbatched tf.data.Datasets of (features, labels)."""
+  """A Dataset from two unbatched tf.data.Datasets of (features, labels)
+  or (features, labels, sample_weight)."""
   for split, dataset in (("train", train), ("eval", test)):
     if not isinstance(dataset, tf.data.Dataset):
       raise ConfigError(f"{name} must return (train, eval) tf.data.Datasets; "
                         f"its {split} part is a {type(dataset).__name__}.")
     spec = dataset.element_spec
-    if not (isinstance(spec, tuple) and len(spec) == 2):
+    if not (isinstance(spec, tuple) and len(spec) in (2, 3)):
       raise ConfigError(f"{name}: each {split} example must be (features, "
-                        f"labels). Received: element_spec={spec}")
+                        f"labels) or (features, labels, sample_weight). "
+                        f"Received: element_spec={spec}")
+    if len(spec) == 3 and not (
+        isinstance(spec[2], tf.TensorSpec) and spec[2].dtype.is_floating
+        and spec[2].shape.rank == 0):
+      raise ConfigError(f"{name}: a {split} example's sample_weight must be "
+                        f"one float (a scalar). Received: {spec[2]}")
   num_train = _count(train)
   if not num_train:
     raise ConfigError(f"{name}: the train split must be finite and not "
@@ -122,8 +130,9 @@ def features_spec(dataset: Dataset):
 
 
 def sample_batch(dataset: Dataset, size=2):
-  """A few examples, batched: to check a model against the data."""
-  return next(iter(dataset.train_source().batch(size).take(1)))
+  """A few (features, labels), batched: to check a model against the
+  data."""
+  return tuple(next(iter(dataset.train_source().batch(size).take(1)))[:2])
 
 
 def _normalize(image, label):
@@ -223,9 +232,9 @@ def _host_slice(batches, context, per_host, finish_batch):
   return batches.prefetch(tf.data.AUTOTUNE)
 
 
-def _unit_weights(features, labels):
+def _unit_mask(features, labels, *sample_weight):
   size = tf.shape(tf.nest.flatten(labels)[0])[0]
-  return features, labels, tf.ones([size], tf.float32)
+  return (features, labels, tf.ones([size], tf.float32), *sample_weight)
 
 
 def _epoch_seed(seed, epoch):
@@ -342,24 +351,26 @@ def eval_steps(dataset: Dataset, *, global_batch_size, requested=0):
 
 
 def eval_input_fn(dataset: Dataset, *, global_batch_size):
-  """Pads the test split with weight-0 examples to whole global batches."""
+  """Pads the test split with masked (mask 0) examples to whole global
+  batches."""
   num_real = dataset.num_test_examples
 
-  def real_weights(indices, batch):
-    features, labels = batch
-    return features, labels, tf.cast(indices < num_real, tf.float32)
+  def real_mask(indices, batch):
+    features, labels, *sample_weight = batch
+    return (features, labels, tf.cast(indices < num_real, tf.float32),
+            *sample_weight)
 
   def input_fn(context):
     per_host = global_batch_size // context.num_input_pipelines
     source = dataset.test_source()
     if num_real is None:
       return _host_slice(source.repeat().batch(per_host, drop_remainder=True),
-                         context, per_host, _unit_weights)
-    # Padding repeats real examples (any structure fits) with weight 0.
+                         context, per_host, _unit_mask)
+    # Padding repeats real examples (any structure fits), masked.
     padding = (-num_real) % global_batch_size
     blank = source.repeat().take(padding)
     return _host_slice(source.concatenate(blank).enumerate().batch(
-        per_host, drop_remainder=True), context, per_host, real_weights)
+        per_host, drop_remainder=True), context, per_host, real_mask)
   return input_fn
 
 

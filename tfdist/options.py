@@ -157,6 +157,10 @@ OPTIONS = (
        "task", "ints", above=0),
     _o("synthetic_classes", 10, "Classes of --dataset=synthetic.", "task",
        above=0),
+    _o("class_weight", "", "CLASS:WEIGHT,... for integer labels, as Keras "
+       "fit's class_weight: each training example's loss and metrics are "
+       "weighted by its class's weight (classes left out weigh 1); evals "
+       "are not.", "task"),
     # optimization
     _enum("optimizer", "adam", optimizers.NAMES, "Optimizer.",
           "optimization"),

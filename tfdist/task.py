@@ -1,7 +1,8 @@
 """The Task contract: what a user gives tfdist to train their own model.
 
-A Task builds a Keras model, gives unbatched (features, labels) datasets,
-a per-example loss and Keras metrics. tfdist does the rest: shuffling,
+A Task builds a Keras model, gives unbatched (features, labels) or
+(features, labels, sample_weight) datasets, a per-example loss and Keras
+metrics. tfdist does the rest: shuffling,
 epochs, host sharding, per-replica batching, resume, exact eval, the
 distribution strategy, checkpoints, summaries and the export.
 
@@ -16,7 +17,8 @@ distribution strategy, checkpoints, summaries and the export.
 A task that needs full control of its input instead defines
 `train_input(context, *, global_batch_size, seed, start_step)` and
 `eval_input(context, *, global_batch_size)`, returning per-replica batches like `distribute_datasets_from_function`'s
-input functions ((features, labels) and (features, labels, weights)). It
+input functions ((features, labels[, sample_weight]) and (features,
+labels, mask[, sample_weight]), the mask 0 on padding examples). It
 then owns the guarantees tfdist gives for its own pipeline: the same global
 batch on any number of hosts, no repeats after a resume, exact eval; and
 --eval_steps must say how many eval batches there are.
@@ -44,7 +46,9 @@ class Task:
     raise NotImplementedError("a Task must define build_model()")
 
   def datasets(self):
-    """(train, eval): unbatched tf.data.Datasets of (features, labels)."""
+    """(train, eval): unbatched tf.data.Datasets of (features, labels),
+    or of (features, labels, sample_weight) for per-example weights with
+    Keras's meaning (each split on its own)."""
     raise NotImplementedError("a Task must define datasets() (or "
                               "train_input and eval_input)")
 
