@@ -103,6 +103,21 @@ def build_model(config, task, sample):
   return model
 
 
+def _synchronize_batchnorm(model):
+  """Makes every BatchNormalization layer all-reduce its batch statistics
+  (Keras reads `synchronized` at each call)."""
+  layers = [layer for layer in model._flatten_layers()  # pylint: disable=protected-access
+            if isinstance(layer, keras.layers.BatchNormalization)]
+  for layer in layers:
+    layer.synchronized = True
+  if layers:
+    logging.info("--sync_batchnorm: %d BatchNormalization layer(s) use the "
+                 "global batch's statistics.", len(layers))
+  else:
+    logging.warning("--sync_batchnorm: the model has no BatchNormalization "
+                    "layer; nothing to synchronize.")
+
+
 def check_model_fits_data(task, model, sample):
   """Runs the model and the loss on a few examples, for one-line errors;
   returns (labels, outputs)."""
@@ -214,6 +229,8 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
   strategy = info.strategy
   with strategy.scope():
     model = build_model(config, task, sample)
+    if config.sync_batchnorm:
+      _synchronize_batchnorm(model)
     schedule = optimizers.schedule_kwargs(config)
     optimizer = optimizers.create(
         config.optimizer, schedule=schedule, weight_decay=config.weight_decay,

@@ -184,6 +184,10 @@ OPTIONS = (
        "weights with this decay (Keras's use_ema, ema_momentum); eval and "
        "the export use it, checkpoints save it. 0: off.", "optimization",
        minimum=0),
+    _o("sync_batchnorm", False, "BatchNormalization layers use the "
+       "statistics of the global batch, all-reduced across replicas (Keras "
+       "BN's synchronized=True), so N replicas train as one device would. "
+       "Synchronous strategies only.", "optimization"),
     _o("grad_accum_steps", 1, "Run each replica's batch as K micro-batches "
        "and sum their gradients before the one update.", "optimization",
        above=0),

@@ -46,7 +46,16 @@ def check_run(config, info, local_devices):
         "grad_accum_steps must divide the per-replica batch. Received: "
         f"grad_accum_steps={config.grad_accum_steps} for a per-replica "
         f"batch of {per_replica}")
-  jit_mode(config, info, local_devices)
+  mode = jit_mode(config, info, local_devices)
+  if config.sync_batchnorm and (
+      strategies.kind(info.name).runner != "sync" or mode == "forward"):
+    raise ConfigError(
+        "--sync_batchnorm all-reduces batch statistics inside the forward "
+        "pass of synchronous replicas; parameter-server workers train "
+        "asynchronously, and --jit_compile with several replicas compiles "
+        "the forward pass with XLA, which has no CPU collectives. Received: "
+        f"sync_batchnorm=True with strategy={info.name}"
+        + (", jit_compile=True" if mode == "forward" else ""))
   if config.check_replicas_every and info.coordinator:
     raise ConfigError(
         "--check_replicas_every compares replicas' copies of the weights; "
