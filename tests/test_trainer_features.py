@@ -344,3 +344,36 @@ def test_best_and_early_stopping_need_a_known_metric(tmp_path, data_dir):
     proc = run_cli(*_args(tmp_path / "run", data_dir, *extra), check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert not os.path.exists(tmp_path / "run" / "checkpoint")
+
+
+def test_sidecar_early_stopping_stops_the_workers(tmp_path, data_dir):
+  """Two MWMS workers train with no evals of their own; the sidecar
+  evaluator keeps the best and, with a learning rate of 0, stops early
+  after 2 evals without improvement. The workers stop together at their
+  next checkpoint, and the sidecar's best is kept (theirs would clobber
+  it)."""
+  model_dir = tmp_path / "run"
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.local", "--workers=2", "--evaluator",
+       "--", *_args(model_dir, data_dir, "--strategy=multi_worker_mirrored",
+                    "--train_steps=100000", "--log_every=1000",
+                    "--eval_every=0", "--checkpoint_every=200",
+                    "--learning_rate=0", "--best_metric=accuracy",
+                    "--early_stopping_patience=2")],
+      cwd=ROOT, capture_output=True, text=True, timeout=400)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  kept = json.loads((model_dir / "best_checkpoint" / "best.json")
+                    .read_text())
+  assert kept["evals_without_improvement"] == 2
+  stopped_at = kept["early_stopped_at_step"]
+  assert stopped_at > kept["step"] and stopped_at % 200 == 0
+  assert os.path.exists(model_dir / "best_checkpoint" /
+                        f"ckpt-{kept['step']}.index")
+  finished = [int(s) for s in re.findall(
+      r"worker:\d \| Finished at step (\d+)/100000", proc.stdout)]
+  assert len(finished) == 2 and finished[0] == finished[1]
+  assert stopped_at < finished[0] < 100000 and finished[0] % 200 == 0
+  assert artifacts.checkpoint_step(str(model_dir)) == finished[0]
+  assert "evaluator:0 | " in proc.stdout and (
+      f"The sidecar evaluator stopped early at step {stopped_at}"
+      in proc.stdout)

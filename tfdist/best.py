@@ -3,12 +3,16 @@
 
 Every worker decides from the same reduced eval metrics, so every worker
 takes the same decision without a message: whether to keep this step's
-checkpoint as the best, and whether to stop.
+checkpoint as the best, and whether to stop. A sidecar evaluator decides
+alone: it writes its stop into best.json, and `SidecarStop` reads it on
+the chief at each checkpoint.
 """
 
 import dataclasses
 import math
 
+from absl import logging
+import keras
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
@@ -49,6 +53,7 @@ class BestTracker:
     self.metric = metric
     self.mode = mode
     self.patience = patience
+    self.stopped_at = None  # The step whose eval stopped the run.
     # Local to this worker (outside any strategy scope). NaN: no eval yet.
     self.best_value = tf.Variable(math.nan, dtype=tf.float64,
                                   trainable=False, name="best_value")
@@ -66,7 +71,8 @@ class BestTracker:
             "value": float(self.best_value.numpy()),
             "step": int(self.best_step.numpy()),
             "evals_without_improvement": int(
-                self.evals_without_improvement.numpy())}
+                self.evals_without_improvement.numpy()),
+            "early_stopped_at_step": self.stopped_at}
 
   def load(self, state):
     """Takes a state() written by an earlier run on the same metric."""
@@ -96,4 +102,39 @@ class BestTracker:
       self.evals_without_improvement.assign_add(1)
     stop = bool(self.patience) and (
         int(self.evals_without_improvement.numpy()) >= self.patience)
+    if stop:
+      self.stopped_at = int(step)
     return Decision(improved=improved, stop=stop)
+
+
+class SidecarStop(keras.callbacks.Callback):
+  """On the chief of a run whose evals a sidecar evaluator makes: at each
+  checkpoint step, stops the run (after that checkpoint; tfdist.callbacks
+  sends the stop to every worker) once best.json says the sidecar's early
+  stopping fired on a checkpoint this run wrote."""
+
+  def __init__(self, *, read_state, metric, checkpoint_every, global_step):
+    super().__init__()
+    self._read_state = read_state
+    self._metric = metric
+    self._every = checkpoint_every
+    self._global_step = global_step
+    self._start_step = 0
+
+  def on_train_begin(self, logs=None):
+    # A stop recorded at or before the restored step is an earlier run's.
+    self._start_step = int(self._global_step.numpy())
+
+  def on_train_batch_end(self, batch, logs=None):
+    step = batch  # tfdist passes the global step.
+    if not self._every or step % self._every or self.model.stop_training:
+      return
+    state = self._read_state() or {}
+    stopped_at = state.get("early_stopped_at_step")
+    if (state.get("metric") == self._metric and stopped_at is not None
+        and stopped_at > self._start_step):
+      logging.info(
+          "The sidecar evaluator stopped early at step %d (best %s %.4f at "
+          "step %d); stopping after the checkpoint at step %d.", stopped_at,
+          self._metric, state["value"], state["step"], step)
+      self.model.stop_training = True

@@ -300,15 +300,26 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
     logging.info("Exported SavedModel to %s.", export_dir)
     return export_dir
 
+  # A training run that does not evaluate as it goes (--mode=train or
+  # --eval_every=0) leaves the best and early stopping to the sidecar
+  # evaluator (or a --mode=continuous_eval process): two trackers would
+  # both write best_checkpoint. It stops when best.json says so.
+  evaluates_elsewhere = info.reason != "sidecar evaluator" and (
+      config.mode == "train" or (config.mode == "train_and_eval"
+                                 and not config.eval_every))
   tracker = None
-  if config.best_metric:
+  if config.best_metric:  # Checks the metric's name in every task.
     tracker = best_lib.BestTracker(
         metric=config.best_metric,
         mode=best_lib.resolve_mode(config.best_metric, config.best_mode),
-        # A sidecar evaluator keeps the best, but cannot stop the workers.
-        patience=(0 if config.mode == "continuous_eval" or info.reason ==
-                  "sidecar evaluator" else config.early_stopping_patience),
+        patience=config.early_stopping_patience,
         metric_names=("loss", *metrics.names))
+  if evaluates_elsewhere:
+    tracker = None
+  if config.early_stopping_patience and evaluates_elsewhere:
+    callbacks = [*callbacks, best_lib.SidecarStop(
+        read_state=store.read_best_state, metric=config.best_metric,
+        checkpoint_every=config.checkpoint_every, global_step=global_step)]
   keras_callbacks = None
   if callbacks:
     keras_callbacks = callbacks_lib.Callbacks(

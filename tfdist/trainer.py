@@ -244,7 +244,10 @@ class Trainer:
       self._best.load(self._checkpoints.read_best_state())
     for path in self._checkpoints.new_checkpoints(timeout_seconds):
       metrics = self.evaluate(self.step)
-      self._track_best(self.step, metrics, checkpoint=path)
+      if self._track_best(self.step, metrics, checkpoint=path):
+        logging.info("The training run stops at its next checkpoint "
+                     "(best.json tells its chief).")
+        break
       if self.step >= self._options.train_steps:
         break
     self._summaries.close()
