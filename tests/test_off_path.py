@@ -5,6 +5,7 @@ strategy and launcher, a non-local model_dir, a squeezed regression head.
 No test here shares the session's prepared data_dir.
 """
 
+import json
 import os
 import re
 import signal
@@ -202,6 +203,38 @@ def test_a_remote_model_dir_for_a_whole_run(tmp_path, monkeypatch):
   # The API trained inside this process and gave back its SIGTERM handling.
   assert signal.getsignal(signal.SIGTERM) is handler_before
   assert signal.set_wakeup_fd(-1) == -1
+
+
+def test_trainer_features_on_a_remote_model_dir(tmp_path, monkeypatch):
+  """ram://, in this process: the best checkpoint and its export, early
+  stopping, EMA, --mode=eval reproducing the last eval, and a warm start
+  from the remote best checkpoint."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tfdist  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(tmp_path)
+  model_dir = "ram://tfdist-features/run"
+  common = dict(model="mlp", dataset="digits", data_dir=str(tmp_path / "d"),
+                log_every=10, steps_per_loop=10)
+  # A learning rate of 0: every eval is the first, so the best stays at
+  # step 10 and patience 1 stops at step 20.
+  run = tfdist.train(**common, model_dir=model_dir, train_steps=100,
+                     eval_every=10, learning_rate=0.0,
+                     best_metric="accuracy", early_stopping_patience=1,
+                     ema_decay=0.5)
+  assert run.step == 20
+  best = json.loads(tf.io.gfile.GFile(
+      f"{model_dir}/best_checkpoint/best.json").read())
+  assert best["step"] == 10 and best["evals_without_improvement"] == 1
+  assert tf.io.gfile.exists(f"{model_dir}/best_export/saved_model.pb")
+  again = tfdist.train(**common, model_dir=model_dir, mode="eval",
+                       ema_decay=0.5)
+  assert again.eval_metrics == pytest.approx(run.eval_metrics, abs=1e-6)
+  warm = tfdist.train(**common, model_dir=str(tmp_path / "warm"),
+                      train_steps=10, learning_rate=0.0, eval_every=0,
+                      init_checkpoint=f"{model_dir}/best_checkpoint")
+  assert warm.eval_metrics["accuracy"] == pytest.approx(
+      run.eval_metrics["accuracy"], abs=1e-6)
+  assert sorted(os.listdir(tmp_path)) == ["d", "warm"]  # No "ram:" dir.
 
 
 class _UnusedBranchTask:
