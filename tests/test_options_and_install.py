@@ -51,6 +51,24 @@ def test_helpfull_lists_every_option_grouped_with_its_default():
   assert "(default: '64')" in text  # --batch_size, with its default.
 
 
+def test_help_lists_the_main_flags_of_each_section():
+  """absl's short --help (exit 1, as absl has it) shows the key flags and
+  how to use the command; --helpfull every flag."""
+  for command in ([sys.executable, "-m", "tfdist.train"],
+                  [os.path.join(os.path.dirname(sys.executable),
+                                "tfdist-train")]):
+    proc = subprocess.run([*command, "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    text = proc.stdout
+    assert "python -m tfdist.train --model_dir=DIR" in text, text
+    for name in options_lib.KEY_OPTIONS:
+      assert f"--{name}:" in text or f"--[no]{name}:" in text, name
+    assert "--powersgd_rank" not in text  # Not a main flag.
+  sections = {o.section for o in options_lib.OPTIONS
+              if o.name in options_lib.KEY_OPTIONS}
+  assert sections == set(options_lib.SECTIONS)
+
+
 def test_every_option_reaches_the_hparams_log(tmp_path, data_dir):
   run_cli("--train_steps=10", "--steps_per_loop=10", "--log_every=10",
           "--export=false", "--profile_steps=2,4", f"--data_dir={data_dir}",

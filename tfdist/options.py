@@ -16,6 +16,13 @@ from tfdist import strategies
 SECTIONS = ("run", "task", "optimization", "loop", "output",
             "multi_worker", "parameter_server", "model_parallel", "cluster")
 
+# The main flags of each section: what --help lists (--helpfull lists all).
+KEY_OPTIONS = ("model_dir", "mode", "strategy", "num_cpu_devices", "task",
+               "model", "dataset", "data_dir", "optimizer", "learning_rate",
+               "batch_size", "train_steps", "eval_every", "checkpoint_every",
+               "export", "best_metric", "allreduce_compression",
+               "ps_shard_min_bytes", "model_parallel", "cluster")
+
 MIXED_PRECISION = ("none", "mixed_float16", "mixed_bfloat16")
 LR_SCHEDULES = ("constant", "cosine", "linear", "step")
 

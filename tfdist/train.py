@@ -1,9 +1,18 @@
-"""python -m tfdist.train: the CLI. The only module that reads FLAGS.
+"""Trains a model with tfdist, on any tf.distribute strategy.
 
-It is also the Python API: `tfdist.train(task_or_config, **options)` calls
-this module, which forwards to tfdist.api.train. Flags are defined only when
-the CLI runs, so importing tfdist defines no absl flags in a user's process.
+  python -m tfdist.train --model_dir=DIR [--model=mlp --dataset=digits
+      --strategy=auto --train_steps=300 ...]
+
+Rerun the same command to resume from the last checkpoint in DIR. The main
+flags are below; --helpfull lists every flag, by section, and
+docs/flags.md explains them.
 """
+
+# python -m tfdist.train is the CLI, the only module that reads FLAGS. It
+# is also the Python API: `tfdist.train(task_or_config, **options)` calls
+# this module, which forwards to tfdist.api.train. Flags are defined only
+# when the CLI runs, so importing tfdist defines no absl flags in a user's
+# process.
 
 import os
 import signal
@@ -132,10 +141,22 @@ def _cluster(config):
   return cluster.tf_config_from_env(os.environ)
 
 
+def _show_key_flags_in_help(flag_values=FLAGS):
+  """absl's --help lists the main module's key flags: make the main flags
+  of each section key flags of whatever module runs (this one, or the
+  tfdist-train script), and give the script this usage text."""
+  for name in options_lib.KEY_OPTIONS:
+    flag_values.register_key_flag_for_module(sys.argv[0], flag_values[name])
+  main_module = sys.modules["__main__"]
+  if not main_module.__doc__:
+    main_module.__doc__ = __doc__
+
+
 def run_cli():
   """The console script and `python -m tfdist.train`."""
   if "model_dir" not in FLAGS:
     define_flags()
+    _show_key_flags_in_help()
   app.run(main, flags_parser=_parse_flags)
 
 
