@@ -75,7 +75,7 @@ def open_for(mode, log):
                          f"namespace: {why}")
     log(f"tasks run on the host network, where their gRPC ports are "
         f"reachable from other hosts ({why} for a private namespace); see "
-        "the README's security section.")
+        "docs/launchers.md, Security.")
     return None
   remove_stale()
   try:

@@ -51,8 +51,8 @@ def _sum_in(context, tensors, wire):
 
 
 # Packs of gradients: 4 MiB was the fastest of 256 KiB, 1 MiB and 4 MiB
-# in the lab (README, "Overlap"); fewer collectives cost less here. The
-# first pack is smaller, as PyTorch DDP's first bucket is: the last
+# in the lab (docs/compression-and-scaling.md, "Overlap"); fewer
+# collectives cost less here. The first pack is smaller, as PyTorch DDP's first bucket is: the last
 # layer's gradients exist first, and the earlier they leave the better.
 DEFAULT_PACK_BYTES = 4 << 20
 FIRST_PACK_BYTES = 256 << 10

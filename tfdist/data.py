@@ -263,8 +263,8 @@ def _batches(source, num_examples, seed, start_example, batch_size):
   skipping however long the run already was. A small epoch is kept as one
   cached tensor and permuted whole (one gather per epoch): shuffling it
   example by example cost 0.98 ms of CPU per batch of 256 digits inside a
-  tf.function loop, 12% of a 2-core host at the MLP's step rate (README,
-  "The CLI a user runs").
+  tf.function loop, 12% of a 2-core host at the MLP's step rate
+  (docs/benchmarks.md, "The CLI a user runs").
   """
   first_epoch, offset = divmod(start_example, num_examples)
   base = source()

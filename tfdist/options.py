@@ -1,7 +1,7 @@
 """Every run option, defined once: name, default, help, section and check.
 
 The absl flags (tfdist.train), the frozen Config (tfdist.config), the
-HParams log and the README's flag table all come from OPTIONS. Adding an
+HParams log and docs/flags.md's flag table all come from OPTIONS. Adding an
 option means adding one Option here. No TensorFlow import: flags are
 checked before TensorFlow starts.
 """
@@ -211,7 +211,7 @@ OPTIONS = (
        above=0),
     _o("jit_compile", False, "XLA-compile the train step: the whole step "
        "with the optimizer update when the run has one replica or one GPU "
-       "per process (measured faster on CPU, see the README benchmark); "
+       "per process (measured faster on CPU, see docs/benchmarks.md); "
        "forward and backward only otherwise (XLA has no CPU collectives; "
        "not over several logical CPUs in one process).", "loop"),
     _o("check_replicas_every", 0, "Every N steps, check that all replicas "

@@ -1,4 +1,4 @@
-"""Prints the README's flag table from tfdist.options, the one source of
+"""Prints docs/flags.md's flag table from tfdist.options, the one source of
 every option: python -m tools.flags_table"""
 
 from tfdist import options
