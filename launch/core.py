@@ -15,13 +15,20 @@ same for all of them:
   relaunched with new ports without using up a restart;
 - every task's temporary files live in a directory of the launcher's,
   removed at the end;
-- Ctrl-C or SIGTERM to the launcher is forwarded to every task.
+- Ctrl-C or SIGTERM to the launcher is forwarded to every task;
+- an elastic job (--workers=MIN:MAX) changes its membership by restarting
+  the whole group from the checkpoint with a new TF_CONFIG: a worker that
+  fails with no restarts left is dropped while at least MIN remain, and
+  when `discover` offers more slots (up to MAX) or fewer, every task is
+  asked to save (SIGTERM: tfdist's preemption save) and the group
+  restarts at the new size. Each change restores the restart budget.
 
 Exit code: 0 when training finished, otherwise the failing task's code
 (or 1), and 128+N when the launcher itself got signal N.
 """
 
 import argparse
+import dataclasses
 import signal
 import sys
 import tempfile
@@ -71,10 +78,13 @@ class Launcher:
   """Runs the job, restarting it on failure; see the module docstring.
 
   `make_tasks(args)` gives the TaskSpecs of one attempt: local processes
-  in launch.local, ssh commands in launch.ssh.
+  in launch.local, ssh commands in launch.ssh; `args.cluster` is the
+  attempt's membership. `discover()` (elastic jobs) returns the worker
+  slots available now, or None when it cannot tell.
   """
 
-  def __init__(self, args, *, make_tasks, out=sys.stdout, spawn=None):
+  def __init__(self, args, *, make_tasks, out=sys.stdout, spawn=None,
+               discover=None, discover_every_seconds=5.0):
     self._args = args
     self._make_tasks = make_tasks
     self._spawn = spawn
@@ -82,6 +92,12 @@ class Launcher:
     self._signalled = None
     self._job = None
     self._scratch = None
+    self._cluster = args.cluster
+    self._discover = discover if args.cluster.elastic else None
+    self._discover_every = discover_every_seconds
+    self._next_discovery = time.monotonic() + discover_every_seconds
+    self._resize_to = None  # A size change asked of the running group.
+    self._failed_at = None
 
   def _log(self, message):
     processes.write_line(self._out, f"[launch] {message}")
@@ -108,6 +124,12 @@ class Launcher:
     for signum in (signal.SIGINT, signal.SIGTERM):
       signal.signal(signum, self._on_signal)
     restarts = port_retries = attempts = 0
+    slots = self._discover() if self._discover else None
+    if slots is not None:
+      self._cluster = dataclasses.replace(
+          self._cluster, workers=self._clamp(slots))
+      self._log(f"the discovery script offers {slots} worker slot(s): "
+                f"starting with {self._cluster.workers} workers.")
     while True:
       code, failed = self._run_once(attempts)
       attempts += 1
@@ -117,6 +139,12 @@ class Launcher:
       if code == 0:
         self._log("training finished: every training task exited 0.")
         return 0
+      if self._resize_to is not None:
+        self._change_membership(self._resize_to, "the discovery script "
+                                "offers that many slots; the group was "
+                                "asked to save its step first")
+        restarts = 0
+        continue
       if code == PORT_TAKEN_EXIT_CODE and port_retries < MAX_PORT_RETRIES:
         # Another program took a probed port before the task bound it: a
         # race, not a failure, so it uses up no restart.
@@ -129,6 +157,19 @@ class Launcher:
         # Kubernetes would restart a preempted pod. It uses no restart.
         self._log(f"{failed} was preempted and saved a checkpoint; "
                   "resuming the job (a preemption uses no restart).")
+        continue
+      if restarts >= self._args.max_restarts and self._cluster.elastic and (
+          failed.startswith("worker:")):
+        if self._cluster.workers - 1 < self._cluster.min_workers:
+          self._log(f"{failed} exited with code {code} with no restarts "
+                    f"left, and {self._cluster.workers - 1} worker(s) would "
+                    f"be below the minimum of {self._cluster.min_workers} "
+                    "(--workers=MIN:MAX). Training did not finish.")
+          return code if code > 0 else 1
+        self._change_membership(
+            self._cluster.workers - 1,
+            f"{failed} exited with code {code} with no restarts left")
+        restarts = 0
         continue
       if restarts >= self._args.max_restarts:
         self._log(f"{failed} exited with code {code}; no restarts left "
@@ -143,6 +184,38 @@ class Launcher:
       if self._sleep(delay):
         return 128 + self._signalled
 
+  def _change_membership(self, workers, why):
+    old = self._cluster.workers
+    self._cluster = dataclasses.replace(self._cluster, workers=workers)
+    lost = time.monotonic() - self._failed_at if self._failed_at else 0.0
+    self._log(f"membership change: {old} -> {workers} workers ({why}); "
+              f"the group restarts from the last checkpoint with a new "
+              f"TF_CONFIG (stopping the old group took {lost:.1f}s).")
+
+  def _clamp(self, slots):
+    return max(min(slots, self._cluster.max_workers),
+               self._cluster.min_workers)
+
+  def _poll_discovery(self):
+    """Called while the group runs: asks the group to save and restart
+    when the slots on offer give another size within MIN:MAX."""
+    now = time.monotonic()
+    if (self._discover is None or self._resize_to is not None
+        or now < self._next_discovery):
+      return
+    self._next_discovery = now + self._discover_every
+    slots = self._discover()
+    if slots is None:
+      return
+    wanted = self._clamp(slots)
+    if wanted == self._cluster.workers:
+      return
+    self._resize_to = wanted
+    self._log(f"the discovery script offers {slots} worker slot(s): asking "
+              f"the group to save its step (SIGTERM) and restart with "
+              f"{wanted} workers.")
+    self._job.forward(signal.SIGTERM)
+
   def _sleep(self, seconds):
     """Sleeps unless a signal arrives; returns True if one did."""
     deadline = time.monotonic() + seconds
@@ -151,7 +224,10 @@ class Launcher:
     return bool(self._signalled)
 
   def _run_once(self, attempt):
-    self._job = processes.Job(self._make_tasks(self._args), out=self._out,
+    self._resize_to = None
+    args = argparse.Namespace(**{**vars(self._args),
+                                 "cluster": self._cluster})
+    self._job = processes.Job(self._make_tasks(args), out=self._out,
                               grace_seconds=self._args.stop_grace_seconds,
                               log=self._log, scratch_root=self._scratch,
                               spawn=self._spawn)
@@ -160,7 +236,9 @@ class Launcher:
       self._log(f"started {task.name} pid={task.process.pid} at "
                 f"{task.address} (attempt {attempt + 1})")
     try:
-      return self._wait_restarting_alone()
+      result = self._wait_restarting_alone()
+      self._failed_at = time.monotonic()
+      return result
     finally:
       self._job.stop()
       self._job = None
@@ -176,9 +254,11 @@ class Launcher:
     """
     restarts = {}
     while True:
-      code, task = self._job.wait()
+      code, task = self._job.wait(on_poll=self._poll_discovery)
       if code == 0:
         return 0, None
+      if self._resize_to is not None:  # The group saved to be resized.
+        return code, task.name
       role = task.spec.role
       used = restarts.get(task.name, 0)
       alone = description.restarts_alone(self._args.cluster, role)
@@ -195,7 +275,14 @@ class Launcher:
         self._job.abandon(task)
         left = [t.name for t in self._job.tasks if t.spec.role == role and
                 not t.abandoned]
-        if left:
+        if left and len(left) < (self._cluster.min_workers or 1):
+          self._log(f"{task.name} exited with code {code} and has no "
+                    f"restarts left; {len(left)} worker(s) left is below the "
+                    f"minimum of {self._cluster.min_workers} "
+                    "(--workers=MIN:MAX): asking the chief to checkpoint "
+                    "and stop.")
+          left = []
+        elif left:
           self._log(f"{task.name} exited with code {code} and has no "
                     f"restarts left; the job carries on without it "
                     f"({', '.join(left)} left).")

@@ -8,22 +8,32 @@ tfdist.cluster.build_tf_configs.
 import dataclasses
 import json
 import sys
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from tfdist import cluster
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClusterDescription:
+  """Roles and counts. `min_workers` and `max_workers` (--workers=MIN:MAX)
+  make the job elastic: `workers` is then the current count, which the
+  launcher changes between MIN and MAX."""
+
   workers: int
   chief: bool = False
   ps: int = 0
   evaluator: bool = False
+  min_workers: Optional[int] = None
+  max_workers: Optional[int] = None
 
   def __post_init__(self):
     if self.workers < 0 or self.ps < 0:
       raise ValueError(f"task counts must be >= 0. Received: "
                        f"workers={self.workers}, ps={self.ps}")
+    if self.elastic and not (
+        1 <= self.min_workers <= self.workers <= self.max_workers):
+      raise ValueError(f"--workers=MIN:MAX needs 1 <= MIN <= MAX. Received: "
+                       f"workers={self.min_workers}:{self.max_workers}")
     if self.workers + int(self.chief) < 1:
       raise ValueError("a job needs at least one worker or a chief. "
                        f"Received: workers={self.workers}, chief={self.chief}")
@@ -31,16 +41,36 @@ class ClusterDescription:
       raise ValueError(f"ps tasks need a chief (the coordinator). Received: "
                        f"ps={self.ps} without --chief")
 
+  @property
+  def elastic(self):
+    return self.min_workers is not None
+
   def counts(self) -> Dict[str, int]:
     counts = {"chief": int(self.chief), "worker": self.workers,
               "ps": self.ps, "evaluator": int(self.evaluator)}
     return {role: n for role, n in counts.items() if n}
 
 
-def add_arguments(parser, *, workers_default=1):
-  """The cluster description flags every launcher takes."""
-  parser.add_argument("--workers", type=int, default=workers_default,
-                      help="Number of worker tasks.")
+def worker_count(text):
+  """--workers: N, or MIN:MAX for an elastic job (a (MIN, MAX) pair)."""
+  low, colon, high = text.partition(":")
+  try:
+    return (int(low), int(high)) if colon else int(low)
+  except ValueError:
+    raise ValueError(f"--workers takes N or MIN:MAX. Received: "
+                     f"{text!r}") from None
+
+
+def add_arguments(parser, *, workers_default=1, elastic=False):
+  """The cluster description flags every launcher takes; `elastic`: the
+  launcher accepts --workers=MIN:MAX."""
+  parser.add_argument(
+      "--workers", type=worker_count if elastic else int,
+      default=workers_default,
+      help="Number of worker tasks" + (
+          ", or MIN:MAX: an elastic job that drops lost workers down to "
+          "MIN and grows to MAX when --host_discovery offers slots."
+          if elastic else "."))
   parser.add_argument("--chief", action="store_true",
                       help="Add a chief task (required with --ps).")
   parser.add_argument("--ps", type=int, default=0,
@@ -51,6 +81,11 @@ def add_arguments(parser, *, workers_default=1):
 
 
 def from_args(args) -> ClusterDescription:
+  if isinstance(args.workers, tuple):
+    low, high = args.workers
+    return ClusterDescription(workers=high, min_workers=low,
+                              max_workers=high, chief=args.chief,
+                              ps=args.ps, evaluator=args.evaluator)
   return ClusterDescription(workers=args.workers, chief=args.chief,
                             ps=args.ps, evaluator=args.evaluator)
 

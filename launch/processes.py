@@ -130,13 +130,15 @@ class Job:
     tasks = [t for t in self.tasks if t.spec.role == role]
     return bool(tasks) and all(t.process.poll() == 0 for t in tasks)
 
-  def wait(self):
+  def wait(self, on_poll=None):
     """Returns (0, None) when every non-serving task exited 0, else
     (exit code, task) for the first task that failed. A serving task that
     fails after that no longer matters. Abandoned tasks count for
-    neither."""
+    neither. `on_poll()` is called between polls."""
     serving = self._serving_roles()
     while True:
+      if on_poll:
+        on_poll()
       watched = [t for t in self.tasks if not t.abandoned]
       trainers = [t for t in watched if t.spec.role not in serving]
       if all(t.process.poll() == 0 for t in trainers):

@@ -270,6 +270,10 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
   if info.coordinator:
     _log_ps_placement(model)
   startup_scalars = {}
+  if info.name in ("multi_worker_mirrored", "parameter_server"):
+    # An elastic job's size over time (tools.chaos --elastic, launch.local
+    # --workers=MIN:MAX): one point per (re)start.
+    startup_scalars["workers"] = info.num_workers
   if config.model_parallel != "none":
     for device, size in placement.bytes_per_device(model).items():
       logging.info("variable bytes on %s: %d", device, size)

@@ -1,7 +1,7 @@
 """Randomised fault injection (Jepsen-style) against a launch.local job.
 
 python -m tools.chaos --duration=300 --kill_every=20-40 [--seed=0]
-    [--baseline] -- <launch.local flags> -- <tfdist.train flags>
+    [--baseline] [--elastic] -- <launch.local flags> -- <tfdist.train flags>
 
 The job runs under launch.local with a generous --max_restarts. For the
 first --duration seconds, at random intervals drawn from --kill_every, a
@@ -12,6 +12,11 @@ lost: the exit code, the restarts, the checkpoint step against
 flags with --baseline), whether the export loads and predicts, and
 whether any task process, scratch file or network namespace was left
 behind. Exit code 0 when nothing was lost.
+
+With --elastic (the launcher flags give --workers=MIN:MAX), half of the
+faults instead change the worker slots a discovery script offers, to a
+random count in MIN..MAX: the job shrinks and grows as it runs, and the
+report counts the membership changes.
 """
 
 import argparse
@@ -41,6 +46,9 @@ def parse_args(argv):
   parser.add_argument("--baseline", action="store_true",
                       help="First run the same flags without faults, to "
                       "compare eval accuracy.")
+  parser.add_argument("--elastic", action="store_true",
+                      help="Also remove and add workers at random "
+                      "(needs --workers=MIN:MAX in the launcher flags).")
   parser.add_argument("--json", default=None, help="Write the report here.")
   parser.add_argument("rest", nargs=argparse.REMAINDER)
   args = parser.parse_args(argv)
@@ -57,6 +65,14 @@ def parse_args(argv):
     parser.error("the train flags need --model_dir and --train_steps")
   args.model_dir, args.train_steps = flags["model_dir"], int(
       flags["train_steps"])
+  args.worker_range = None
+  if args.elastic:
+    workers = [a.split("=", 1)[1] for a in args.launcher_args
+               if a.startswith("--workers=")]
+    low, colon, high = (workers or [""])[-1].partition(":")
+    if not (colon and low.isdigit() and high.isdigit()):
+      parser.error("--elastic needs --workers=MIN:MAX in the launcher flags")
+    args.worker_range = (int(low), int(high))
   return args
 
 
@@ -139,11 +155,26 @@ def run_chaos(args, out=sys.stdout):
       base.wait()
     report["baseline_accuracy"] = _accuracy(base.lines)
   with tempfile.TemporaryDirectory(prefix="tfdist-chaos-") as scratch:
+    slots = os.path.join(scratch, "slots")
+    if args.worker_range:
+      with open(slots, "w") as f:
+        f.write(f"localhost:{args.worker_range[1]}\n")
+      launcher += [f"--host_discovery=cat {slots}", "--discovery_seconds=1"]
     job = _Job(launcher, args.train_args, scratch)
     started = time.monotonic()
     next_fault = started + rng.uniform(*args.kill_range)
     while job.proc.poll() is None:
       now = time.monotonic()
+      if (now >= next_fault and now - started < args.duration
+          and args.worker_range and rng.random() < 0.5):
+        count = rng.randint(*args.worker_range)
+        with open(slots, "w") as f:
+          f.write(f"localhost:{count}\n")
+        report["faults"].append({"at": round(now - started, 1),
+                                 "task": "slots", "signal": f"{count}"})
+        print(f"[chaos] {now - started:6.1f}s slots -> {count}", file=out,
+              flush=True)
+        next_fault = now + rng.uniform(*args.kill_range)
       if now >= next_fault and now - started < args.duration and job.tasks:
         name = rng.choice(sorted(job.tasks))
         signum = rng.choice([signal.SIGKILL, signal.SIGTERM])
@@ -161,8 +192,12 @@ def run_chaos(args, out=sys.stdout):
     report["exit_code"] = job.wait()
     report["seconds"] = round(time.monotonic() - started, 1)
     time.sleep(1.0)  # Let the launcher's last children be reaped.
-    report["leftover_files"] = sorted(os.listdir(scratch))
+    report["leftover_files"] = sorted(
+        f for f in os.listdir(scratch) if f != "slots")
   report["restarts"] = sum("restarting" in l for l in job.lines)
+  report["membership_changes"] = [
+      l.split("membership change: ", 1)[1].split(" (")[0]
+      for l in job.lines if "membership change: " in l]
   report["leftover_processes"] = sorted(p for p in job.pids_seen
                                         if _alive(p))
   namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True,
@@ -205,6 +240,8 @@ def _print_report(report, out):
       f"  faults injected: {len(report['faults'])} "
       f"({', '.join(f'{n} {k}' for k, n in sorted(kinds.items())) or 'none'})",
       f"  restarts:        {report['restarts']}",
+      f"  membership:      "
+      f"{', '.join(report['membership_changes']) or 'no change'}",
       f"  exit code:       {report['exit_code']} after {report['seconds']}s",
       f"  checkpoint step: {report['checkpoint_step']} of "
       f"{report['train_steps']}",

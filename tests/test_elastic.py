@@ -1,0 +1,129 @@
+"""Elastic MultiWorkerMirrored jobs on the local launcher
+(--workers=MIN:MAX), with real processes: a worker lost for good is
+dropped, a discovery script that offers a slot adds one, and below MIN
+the job stops in one line. Each change restarts the group from the
+checkpoint; the weights are checked against one device's."""
+
+import os
+import re
+import signal
+
+import numpy as np
+import pytest
+
+import artifacts
+from conftest import LauncherProcess
+from conftest import run_cli
+from conftest import run_launcher
+
+# A global batch of 48 divides by 2 and 3 workers, and tfdist's global
+# batch k is the same examples for any worker count: every membership
+# trains the weights one device would.
+COMMON = ["--steps_per_loop=5", "--log_every=5", "--eval_every=0",
+          "--batch_size=48", "--optimizer=sgd", "--learning_rate=0.05",
+          "--checkpoint_every=10", "--noexport"]
+LAUNCH = ["--backoff_seconds=0.2", "--stop_grace_seconds=5",
+          "--isolate=off"]
+
+
+def _args(model_dir, data_dir, steps):
+  return [f"--model_dir={model_dir}", f"--data_dir={data_dir}",
+          f"--train_steps={steps}", *COMMON]
+
+
+def _assert_one_device_weights(model_dir, tmp_path, data_dir, steps):
+  reference = tmp_path / "one_device"
+  run_cli(*_args(reference, data_dir, steps), "--strategy=default")
+  ours, theirs = (artifacts.model_weights(str(d))
+                  for d in (model_dir, reference))
+  trainable = [k for k in theirs if "_trainable_variables" in k]
+  assert trainable
+  for key in trainable:
+    np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5,
+                               atol=1e-6)
+
+
+def _resumed_with(output, workers):
+  """The step the chief resumed from after the change to `workers`."""
+  after = output.split(f"-> {workers} workers", 1)[1]
+  return int(re.findall(r"worker:0 \| .*Resumed from .* at step (\d+)",
+                        after)[0])
+
+
+@pytest.mark.serial
+def test_shrink_drops_a_lost_worker_and_finishes_exactly(tmp_path,
+                                                         data_dir):
+  model_dir = tmp_path / "run"
+  run = LauncherProcess(
+      ["--workers=2:3", "--max_restarts=0", *LAUNCH],
+      [*_args(model_dir, data_dir, 400),
+       "--strategy=multi_worker_mirrored"])
+  run.wait_for(lambda l: l.startswith("worker:0") and "ckpt-20." in l)
+  os.kill(run.pids["worker:2"], signal.SIGKILL)
+  code, output = run.finish()
+  assert code == 0, output[-3000:]
+  assert re.search(r"membership change: 3 -> 2 workers \(worker:2 exited "
+                   r"with code -9 with no restarts left\)", output)
+  assert _resumed_with(output, 2) >= 20
+  assert "worker:2 |" not in output.split("-> 2 workers", 1)[1]
+  assert "worker:0 | Finished at step 400/400" in output
+  assert artifacts.checkpoint_step(str(model_dir)) == 400
+  # Two starts, as TensorBoard shows them: 3 workers, then 2.
+  sizes = [v for _, v in artifacts.scalars(str(model_dir / "train"),
+                                           "workers")]
+  assert sizes == [3, 2]
+  _assert_one_device_weights(model_dir, tmp_path, data_dir, 400)
+
+
+@pytest.mark.serial
+def test_grow_adds_the_worker_discovery_offers(tmp_path, data_dir):
+  slots = tmp_path / "slots"
+  slots.write_text("localhost:2\n")
+  model_dir = tmp_path / "run"
+  run = LauncherProcess(
+      ["--workers=1:3", f"--host_discovery=cat {slots}",
+       "--discovery_seconds=0.5", *LAUNCH],
+      [*_args(model_dir, data_dir, 600),
+       "--strategy=multi_worker_mirrored"])
+  run.wait_for(lambda l: l.startswith("worker:0") and "ckpt-20." in l)
+  slots.write_text("localhost:2\n127.0.0.1:1\n")
+  code, output = run.finish()
+  assert code == 0, output[-3000:]
+  assert "offers 2 worker slot(s): starting with 2 workers" in output
+  assert "membership change: 2 -> 3 workers" in output
+  assert "preempted (SIGTERM): checkpoint saved at" in output
+  assert _resumed_with(output, 3) >= 20
+  assert "worker:0 | Finished at step 600/600" in output
+  _assert_one_device_weights(model_dir, tmp_path, data_dir, 600)
+
+
+def test_below_min_stops_in_one_line(tmp_path, data_dir):
+  model_dir = tmp_path / "run"
+  run = LauncherProcess(
+      ["--workers=2:2", "--max_restarts=0", *LAUNCH],
+      [*_args(model_dir, data_dir, 100000),
+       "--strategy=multi_worker_mirrored"])
+  run.wait_for(lambda l: l.startswith("worker:0") and "ckpt-10." in l)
+  os.kill(run.pids["worker:1"], signal.SIGKILL)
+  code, output = run.finish()
+  assert code != 0
+  stops = [l for l in output.splitlines() if "below the minimum" in l]
+  assert stops == ["[launch] worker:1 exited with code -9 with no restarts "
+                   "left, and 1 worker(s) would be below the minimum of 2 "
+                   "(--workers=MIN:MAX). Training did not finish."]
+  assert "Traceback" not in output
+
+
+def test_bad_elastic_flags_are_one_line(tmp_path):
+  for flags, expected in (
+      (["--workers=3:2"], "--workers=MIN:MAX needs 1 <= MIN <= MAX"),
+      (["--workers=0:2"], "--workers=MIN:MAX needs 1 <= MIN <= MAX"),
+      (["--workers=2", "--host_discovery=true"],
+       "--host_discovery needs --workers=MIN:MAX"),
+      (["--workers=2:4"], "--workers=2:4 keeps the global batch, which 3 "
+       "worker(s) cannot split. Received: batch_size=64")):
+    proc = run_launcher(flags, [f"--model_dir={tmp_path / 'x'}",
+                                "--batch_size=64"], check=False, timeout=60)
+    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+  assert not (tmp_path / "x").exists()
