@@ -56,7 +56,7 @@ def test_shrink_drops_a_lost_worker_and_finishes_exactly(tmp_path,
   model_dir = tmp_path / "run"
   run = LauncherProcess(
       ["--workers=2:3", "--max_restarts=0", *LAUNCH],
-      [*_args(model_dir, data_dir, 400),
+      [*_args(model_dir, data_dir, 60),
        "--strategy=multi_worker_mirrored"])
   run.wait_for(lambda l: l.startswith("worker:0") and "ckpt-20." in l)
   os.kill(run.pids["worker:2"], signal.SIGKILL)
@@ -66,13 +66,13 @@ def test_shrink_drops_a_lost_worker_and_finishes_exactly(tmp_path,
                    r"with code -9 with no restarts left\)", output)
   assert _resumed_with(output, 2) >= 20
   assert "worker:2 |" not in output.split("-> 2 workers", 1)[1]
-  assert "worker:0 | Finished at step 400/400" in output
-  assert artifacts.checkpoint_step(str(model_dir)) == 400
+  assert "worker:0 | Finished at step 60/60" in output
+  assert artifacts.checkpoint_step(str(model_dir)) == 60
   # Two starts, as TensorBoard shows them: 3 workers, then 2.
   sizes = [v for _, v in artifacts.scalars(str(model_dir / "train"),
                                            "workers")]
   assert sizes == [3, 2]
-  _assert_one_device_weights(model_dir, tmp_path, data_dir, 400)
+  _assert_one_device_weights(model_dir, tmp_path, data_dir, 60)
 
 
 @pytest.mark.serial
@@ -83,7 +83,7 @@ def test_grow_adds_the_worker_discovery_offers(tmp_path, data_dir):
   run = LauncherProcess(
       ["--workers=1:3", f"--host_discovery=cat {slots}",
        "--discovery_seconds=0.5", *LAUNCH],
-      [*_args(model_dir, data_dir, 600),
+      [*_args(model_dir, data_dir, 80),
        "--strategy=multi_worker_mirrored"])
   run.wait_for(lambda l: l.startswith("worker:0") and "ckpt-20." in l)
   slots.write_text("localhost:2\n127.0.0.1:1\n")
@@ -93,8 +93,8 @@ def test_grow_adds_the_worker_discovery_offers(tmp_path, data_dir):
   assert "membership change: 2 -> 3 workers" in output
   assert "preempted (SIGTERM): checkpoint saved at" in output
   assert _resumed_with(output, 3) >= 20
-  assert "worker:0 | Finished at step 600/600" in output
-  _assert_one_device_weights(model_dir, tmp_path, data_dir, 600)
+  assert "worker:0 | Finished at step 80/80" in output
+  _assert_one_device_weights(model_dir, tmp_path, data_dir, 80)
 
 
 def test_below_min_stops_in_one_line(tmp_path, data_dir):
