@@ -97,6 +97,7 @@ def test_grow_adds_the_worker_discovery_offers(tmp_path, data_dir):
   _assert_one_device_weights(model_dir, tmp_path, data_dir, 80)
 
 
+@pytest.mark.serial
 def test_below_min_stops_in_one_line(tmp_path, data_dir):
   model_dir = tmp_path / "run"
   run = LauncherProcess(
