@@ -318,8 +318,13 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
         mode=best_lib.resolve_mode(config.best_metric, config.best_mode),
         patience=config.early_stopping_patience,
         metric_names=("loss", *metrics.names))
-  if evaluates_elsewhere:
+  if evaluates_elsewhere and tracker:
     tracker = None
+    logging.info("--best_metric: this run makes no evals as it goes "
+                 "(--eval_every=0 or --mode=train); a sidecar evaluator or "
+                 "a --mode=continuous_eval process keeps the best%s.",
+                 " and stops the run early"
+                 if config.early_stopping_patience else "")
   if config.early_stopping_patience and evaluates_elsewhere:
     callbacks = [*callbacks, best_lib.SidecarStop(
         read_state=store.read_best_state, metric=config.best_metric,
