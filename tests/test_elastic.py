@@ -50,17 +50,26 @@ def _resumed_with(output, workers):
                         after)[0])
 
 
+def _kill_after_checkpoint(workers, model_dir, data_dir, steps, checkpoint,
+                           victim):
+  """An elastic MWMS job with no restarts; `victim` gets SIGKILL once the
+  chief saved ckpt-`checkpoint`. Returns (exit code, output)."""
+  run = LauncherProcess(
+      [f"--workers={workers}", "--max_restarts=0", *LAUNCH],
+      [*_args(model_dir, data_dir, steps),
+       "--strategy=multi_worker_mirrored"])
+  run.wait_for(lambda l: l.startswith("worker:0") and
+               f"ckpt-{checkpoint}." in l)
+  os.kill(run.pids[victim], signal.SIGKILL)
+  return run.finish()
+
+
 @pytest.mark.serial
 def test_shrink_drops_a_lost_worker_and_finishes_exactly(tmp_path,
                                                          data_dir):
   model_dir = tmp_path / "run"
-  run = LauncherProcess(
-      ["--workers=2:3", "--max_restarts=0", *LAUNCH],
-      [*_args(model_dir, data_dir, 60),
-       "--strategy=multi_worker_mirrored"])
-  run.wait_for(lambda l: l.startswith("worker:0") and "ckpt-20." in l)
-  os.kill(run.pids["worker:2"], signal.SIGKILL)
-  code, output = run.finish()
+  code, output = _kill_after_checkpoint("2:3", model_dir, data_dir, 60, 20,
+                                        "worker:2")
   assert code == 0, output[-3000:]
   assert re.search(r"membership change: 3 -> 2 workers \(worker:2 exited "
                    r"with code -9 with no restarts left\)", output)
@@ -99,14 +108,8 @@ def test_grow_adds_the_worker_discovery_offers(tmp_path, data_dir):
 
 @pytest.mark.serial
 def test_below_min_stops_in_one_line(tmp_path, data_dir):
-  model_dir = tmp_path / "run"
-  run = LauncherProcess(
-      ["--workers=2:2", "--max_restarts=0", *LAUNCH],
-      [*_args(model_dir, data_dir, 100000),
-       "--strategy=multi_worker_mirrored"])
-  run.wait_for(lambda l: l.startswith("worker:0") and "ckpt-10." in l)
-  os.kill(run.pids["worker:1"], signal.SIGKILL)
-  code, output = run.finish()
+  code, output = _kill_after_checkpoint("2:2", tmp_path / "run", data_dir,
+                                        100000, 10, "worker:1")
   assert code != 0
   stops = [l for l in output.splitlines() if "below the minimum" in l]
   assert stops == ["[launch] worker:1 exited with code -9 with no restarts "

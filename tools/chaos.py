@@ -165,8 +165,8 @@ def run_chaos(args, out=sys.stdout):
     next_fault = started + rng.uniform(*args.kill_range)
     while job.proc.poll() is None:
       now = time.monotonic()
-      if (now >= next_fault and now - started < args.duration
-          and args.worker_range and rng.random() < 0.5):
+      due = now >= next_fault and now - started < args.duration
+      if due and args.worker_range and rng.random() < 0.5:
         count = rng.randint(*args.worker_range)
         with open(slots, "w") as f:
           f.write(f"localhost:{count}\n")
@@ -175,7 +175,7 @@ def run_chaos(args, out=sys.stdout):
         print(f"[chaos] {now - started:6.1f}s slots -> {count}", file=out,
               flush=True)
         next_fault = now + rng.uniform(*args.kill_range)
-      if now >= next_fault and now - started < args.duration and job.tasks:
+      elif due and job.tasks:
         name = rng.choice(sorted(job.tasks))
         signum = rng.choice([signal.SIGKILL, signal.SIGTERM])
         try:
