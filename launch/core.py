@@ -30,6 +30,7 @@ Exit code: 0 when training finished, otherwise the failing task's code
 import argparse
 import dataclasses
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +43,9 @@ from tfdist.errors import PREEMPTED_EXIT_CODE
 
 # Relaunches, beyond --max_restarts, after a probed port was taken.
 MAX_PORT_RETRIES = 5
+# An elastic job waits this long at its start for MIN worker slots, as
+# Horovod's --elastic-timeout does, then stops in one line.
+WAIT_FOR_MIN_SECONDS = 600.0
 
 
 def add_restart_arguments(parser):
@@ -60,6 +64,56 @@ def add_restart_arguments(parser):
                       help="-- then the flags of the training program.")
 
 
+def add_discovery_arguments(parser, *, hosts_help):
+  """--host_discovery and --discovery_seconds, for elastic launchers."""
+  parser.add_argument("--host_discovery", default="",
+                      help="With --workers=MIN:MAX: a command that prints "
+                      "the hosts that can run workers now, one 'host:slots' "
+                      "line each (Horovod's format)" + hosts_help +
+                      ". Run every --discovery_seconds.")
+  parser.add_argument("--discovery_seconds", type=float, default=5.0,
+                      help="How often to run --host_discovery.")
+
+
+def discover_hosts(command, log):
+  """[(host, slots)] from `command`'s 'host:slots' lines; None (and a
+  log line) when it fails or prints something else."""
+  try:
+    proc = subprocess.run(command, shell=True, capture_output=True,
+                          text=True, timeout=30)
+  except subprocess.TimeoutExpired:
+    log(f"--host_discovery did not answer within 30s: {command}")
+    return None
+  hosts = []
+  for line in proc.stdout.split():
+    host, _, count = line.rpartition(":")
+    if not host or not count.isdigit():
+      log(f"--host_discovery printed {line!r}, not host:slots; ignored.")
+      return None
+    hosts.append((host, int(count)))
+  if proc.returncode:
+    log(f"--host_discovery exited {proc.returncode}; ignored.")
+    return None
+  return hosts
+
+
+def _check_batch_divides(parser, args):
+  """An elastic MWMS job keeps its global batch: every worker count from
+  MIN to MAX must divide a --batch_size given on the command line."""
+  sizes = [a.split("=", 1)[1] for a in args.train_args
+           if a.startswith("--batch_size=")]
+  if not sizes or not sizes[-1].isdigit():
+    return  # A flagfile or the default: the tasks check it.
+  batch = int(sizes[-1])
+  bad = [n for n in range(args.cluster.min_workers,
+                          args.cluster.max_workers + 1) if batch % n]
+  if bad:
+    parser.error(f"--workers={args.cluster.min_workers}:"
+                 f"{args.cluster.max_workers} keeps the global batch, which "
+                 f"{', '.join(map(str, bad))} worker(s) cannot split. "
+                 f"Received: batch_size={batch}")
+
+
 def finish_args(parser, args):
   """Checks the shared flags and sets args.cluster from the description
   flags (launch.description), or exits with one parser error."""
@@ -72,6 +126,14 @@ def finish_args(parser, args):
     args.cluster = description.from_args(args)
   except ValueError as e:
     parser.error(str(e))
+  if getattr(args, "host_discovery", "") and not args.cluster.elastic:
+    parser.error("--host_discovery needs --workers=MIN:MAX. Received: "
+                 f"--workers={args.workers}")
+  if getattr(args, "discovery_seconds", 1.0) <= 0:
+    parser.error("--discovery_seconds must be > 0. Received: "
+                 f"{args.discovery_seconds}")
+  if args.cluster.elastic and not args.cluster.ps:
+    _check_batch_divides(parser, args)
 
 
 class Launcher:
@@ -80,11 +142,14 @@ class Launcher:
   `make_tasks(args)` gives the TaskSpecs of one attempt: local processes
   in launch.local, ssh commands in launch.ssh; `args.cluster` is the
   attempt's membership. `discover()` (elastic jobs) returns the worker
-  slots available now, or None when it cannot tell.
+  slots available now, or None when it cannot tell. `drop_worker(index)`
+  tells the launcher that worker `index` of the attempt that just ended
+  is dropped for good (launch.ssh then gives up its host slot).
   """
 
   def __init__(self, args, *, make_tasks, out=sys.stdout, spawn=None,
-               discover=None, discover_every_seconds=5.0):
+               discover=None, discover_every_seconds=5.0,
+               drop_worker=None):
     self._args = args
     self._make_tasks = make_tasks
     self._spawn = spawn
@@ -94,6 +159,7 @@ class Launcher:
     self._scratch = None
     self._cluster = args.cluster
     self._discover = discover if args.cluster.elastic else None
+    self._drop_worker = drop_worker
     self._discover_every = discover_every_seconds
     self._next_discovery = time.monotonic() + discover_every_seconds
     self._resize_to = None  # A size change asked of the running group.
@@ -124,12 +190,8 @@ class Launcher:
     for signum in (signal.SIGINT, signal.SIGTERM):
       signal.signal(signum, self._on_signal)
     restarts = port_retries = attempts = 0
-    slots = self._discover() if self._discover else None
-    if slots is not None:
-      self._cluster = dataclasses.replace(
-          self._cluster, workers=self._clamp(slots))
-      self._log(f"the discovery script offers {slots} worker slot(s): "
-                f"starting with {self._cluster.workers} workers.")
+    if self._discover and not self._wait_for_min_slots():
+      return 128 + self._signalled if self._signalled else 1
     while True:
       code, failed = self._run_once(attempts)
       attempts += 1
@@ -140,8 +202,8 @@ class Launcher:
         self._log("training finished: every training task exited 0.")
         return 0
       if self._resize_to is not None:
-        self._change_membership(self._resize_to, "the discovery script "
-                                "offers that many slots; the group was "
+        self._change_membership(self._resize_to, "discovery offers "
+                                "that many slots; the group was "
                                 "asked to save its step first")
         restarts = 0
         continue
@@ -166,6 +228,8 @@ class Launcher:
                     f"be below the minimum of {self._cluster.min_workers} "
                     "(--workers=MIN:MAX). Training did not finish.")
           return code if code > 0 else 1
+        if self._drop_worker:
+          self._drop_worker(int(failed.split(":")[1]))
         self._change_membership(
             self._cluster.workers - 1,
             f"{failed} exited with code {code} with no restarts left")
@@ -192,9 +256,33 @@ class Launcher:
               f"the group restarts from the last checkpoint with a new "
               f"TF_CONFIG (stopping the old group took {lost:.1f}s).")
 
-  def _clamp(self, slots):
-    return max(min(slots, self._cluster.max_workers),
-               self._cluster.min_workers)
+  def _wait_for_min_slots(self):
+    """At the start: runs discovery until it offers at least MIN slots,
+    then sizes the group; False after WAIT_FOR_MIN_SECONDS or a signal."""
+    deadline = time.monotonic() + WAIT_FOR_MIN_SECONDS
+    said = False
+    while True:
+      slots = self._discover()
+      if slots is not None and slots >= self._cluster.min_workers:
+        break
+      if not said:
+        self._log(f"discovery offers {slots} worker slot(s), "
+                  f"fewer than the minimum of {self._cluster.min_workers}; "
+                  "waiting for more.")
+        said = True
+      if time.monotonic() > deadline:
+        self._log(f"discovery offered fewer than "
+                  f"{self._cluster.min_workers} worker slots for "
+                  f"{WAIT_FOR_MIN_SECONDS:.0f}s (--workers=MIN:MAX). "
+                  "Training did not start.")
+        return False
+      if self._sleep(self._discover_every):
+        return False
+    self._cluster = dataclasses.replace(
+        self._cluster, workers=min(slots, self._cluster.max_workers))
+    self._log(f"discovery offers {slots} worker slot(s): "
+              f"starting with {self._cluster.workers} workers.")
+    return True
 
   def _poll_discovery(self):
     """Called while the group runs: asks the group to save and restart
@@ -205,13 +293,15 @@ class Launcher:
       return
     self._next_discovery = now + self._discover_every
     slots = self._discover()
-    if slots is None:
+    if slots is None or slots < self._cluster.min_workers:
+      # Below MIN the group carries on; if its hosts are really gone, its
+      # workers fail and the shrink rule decides.
       return
-    wanted = self._clamp(slots)
+    wanted = min(slots, self._cluster.max_workers)
     if wanted == self._cluster.workers:
       return
     self._resize_to = wanted
-    self._log(f"the discovery script offers {slots} worker slot(s): asking "
+    self._log(f"discovery offers {slots} worker slot(s): asking "
               f"the group to save its step (SIGTERM) and restart with "
               f"{wanted} workers.")
     self._job.forward(signal.SIGTERM)

@@ -11,7 +11,6 @@ the shared policy of launch.core; no task outlives the launcher.
 
 import argparse
 import dataclasses
-import subprocess
 import sys
 
 import portpicker
@@ -27,13 +26,8 @@ def parse_args(argv):
       prog="python -m launch.local",
       description="Run a tfdist job as local processes on 127.0.0.1.")
   description.add_arguments(parser, elastic=True)
-  parser.add_argument("--host_discovery", default="",
-                      help="With --workers=MIN:MAX: a command that prints "
-                      "the hosts that can run workers now, one 'host:slots' "
-                      "line each (Horovod's format; here every host is "
-                      "this machine). Run every --discovery_seconds.")
-  parser.add_argument("--discovery_seconds", type=float, default=5.0,
-                      help="How often to run --host_discovery.")
+  core.add_discovery_arguments(
+      parser, hosts_help="; here every host is this machine")
   parser.add_argument("--isolate", choices=("auto", "on", "off"),
                       default="auto",
                       help="Run the tasks in a private network namespace, "
@@ -42,51 +36,14 @@ def parse_args(argv):
   core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
   core.finish_args(parser, args)
-  if args.host_discovery and not args.cluster.elastic:
-    parser.error("--host_discovery needs --workers=MIN:MAX. Received: "
-                 f"--workers={args.workers}")
-  if args.cluster.elastic and not args.cluster.ps:
-    _check_batch_divides(parser, args)
   return args
 
 
-def _check_batch_divides(parser, args):
-  """An elastic MWMS job keeps its global batch: every worker count from
-  MIN to MAX must divide a --batch_size given on the command line."""
-  sizes = [a.split("=", 1)[1] for a in args.train_args
-           if a.startswith("--batch_size=")]
-  if not sizes or not sizes[-1].isdigit():
-    return  # A flagfile or the default: the tasks check it.
-  batch = int(sizes[-1])
-  bad = [n for n in range(args.cluster.min_workers,
-                          args.cluster.max_workers + 1) if batch % n]
-  if bad:
-    parser.error(f"--workers={args.cluster.min_workers}:"
-                 f"{args.cluster.max_workers} keeps the global batch, which "
-                 f"{', '.join(map(str, bad))} worker(s) cannot split. "
-                 f"Received: batch_size={batch}")
-
-
 def discover_slots(command, log):
-  """The worker slots `command` offers: the sum of its 'host:slots'
-  lines; None (and a log line) when it fails or prints nothing usable."""
-  try:
-    proc = subprocess.run(command, shell=True, capture_output=True,
-                          text=True, timeout=30)
-  except subprocess.TimeoutExpired:
-    log(f"--host_discovery did not answer within 30s: {command}")
-    return None
-  slots = 0
-  for line in proc.stdout.split():
-    host, _, count = line.rpartition(":")
-    if not host or not count.isdigit():
-      log(f"--host_discovery printed {line!r}, not host:slots; ignored.")
-      return None
-    slots += int(count)
-  if proc.returncode:
-    log(f"--host_discovery exited {proc.returncode}; ignored.")
-    return None
-  return slots
+  """The worker slots `command` offers, summed over its hosts (all of
+  them this machine); None when it cannot tell."""
+  hosts = core.discover_hosts(command, log)
+  return None if hosts is None else sum(slots for _, slots in hosts)
 
 
 def _local_addresses(cluster):

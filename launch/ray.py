@@ -4,6 +4,7 @@ python -m launch.ray [--address=auto] --workers=2 [--chief] [--ps=N]
     [--evaluator] [--cpus_per_task=1] [--gpus_per_task=0]
     [--placement_strategy=SPREAD|PACK] [--max_restarts=K]
     -- <tfdist.train flags>
+python -m launch.ray --address=auto --workers=MIN:MAX ... -- <flags>
 
 One placement group holds a bundle per task. In each bundle a small actor
 reports its node's IP and a free port; tfdist.cluster builds every task's
@@ -11,6 +12,15 @@ TF_CONFIG from them (not Ray Train's TensorflowConfig, which knows no ps
 or chief), and each actor runs the unchanged `python -m tfdist.train` as a
 subprocess, whose output comes back prefixed with `role:index |`. The
 restart policy is launch.core's, the same as launch.local's.
+
+Elastic (--workers=MIN:MAX): every --discovery_seconds the launcher counts
+the worker slots of the cluster's live nodes (each node's CPUs, and GPUs,
+over --cpus_per_task and --gpus_per_task, less the other tasks). A node
+that joins grows the group, up to MAX; a node that leaves takes its
+workers with it, and the group goes on without them while MIN remain;
+a node that lost a worker for good is not counted again (Horovod's
+elastic blacklist does the same with hosts). Each change reserves a new
+placement group and restarts the group from the checkpoint.
 
 No task outlives the launcher: a task process gets SIGKILL when its
 actor's process dies (PR_SET_PDEATHSIG, set from a thread that lives as
@@ -47,7 +57,10 @@ def parse_args(argv):
   parser = argparse.ArgumentParser(
       prog="python -m launch.ray",
       description="Run a tfdist job as Ray actors, one per task.")
-  description.add_arguments(parser)
+  description.add_arguments(parser, elastic=True)
+  parser.add_argument("--discovery_seconds", type=float, default=5.0,
+                      help="With --workers=MIN:MAX: how often to count the "
+                      "worker slots of the cluster's live nodes.")
   parser.add_argument("--address", default=None,
                       help="Ray cluster to join ('auto', or host:port); by "
                       "default a local Ray is started and shut down.")
@@ -75,11 +88,30 @@ def task_names(cluster):
           for index in range(count)]
 
 
-def bundles(args):
+def bundles(args, cluster=None):
   bundle = {"CPU": args.cpus_per_task}
   if args.gpus_per_task:
     bundle["GPU"] = args.gpus_per_task
-  return [dict(bundle) for _ in task_names(args.cluster)]
+  return [dict(bundle) for _ in task_names(cluster or args.cluster)]
+
+
+def worker_slots(nodes, *, cpus_per_task, gpus_per_task, other_tasks,
+                 left_out=()):
+  """How many workers the live `nodes` (ray.nodes()) can hold, beside
+  the job's `other_tasks` (chief, ps, evaluator), one task per bundle;
+  nodes whose NodeID is in `left_out` do not count."""
+  tasks = 0
+  for node in nodes:
+    if not node.get("Alive") or node.get("NodeID") in left_out:
+      continue
+    fits = []
+    for resource, need in (("CPU", cpus_per_task), ("GPU", gpus_per_task)):
+      if need > 0:
+        fits.append(int(node["Resources"].get(resource, 0) // need))
+    if not fits:
+      return None  # Tasks that need nothing: the count says nothing.
+    tasks += min(fits)
+  return max(tasks - other_tasks, 0)
 
 
 class RayJob:
@@ -92,18 +124,47 @@ class RayJob:
     self._names = task_names(args.cluster)
     self._group = None
     self._actors = {}  # task name -> actor handle
+    self._nodes = {}  # task name -> Ray node id, for the current attempt
+    self._lost_nodes = set()  # Nodes that lost a worker for good.
 
-  def reserve(self):
+  def reserve(self, cluster=None):
+    """A placement group with a bundle per task of `cluster` (by default
+    the job's); the previous group, if any, is removed first."""
     from ray.util.placement_group import placement_group
+    from ray.util.placement_group import remove_placement_group
+    cluster = cluster or self._args.cluster
+    if self._group is not None:
+      remove_placement_group(self._group)
+    self._names = task_names(cluster)
     self._group = placement_group(
-        bundles(self._args), strategy=self._args.placement_strategy)
+        bundles(self._args, cluster),
+        strategy=self._args.placement_strategy)
     try:
       self._ray.get(self._group.ready(), timeout=self._args.ready_timeout)
     except self._ray.exceptions.GetTimeoutError:
-      raise RuntimeError(
+      raise PlacementError(
           f"Ray could not place {len(self._names)} bundles of "
           f"{bundles(self._args)[0]} within {self._args.ready_timeout:g}s; "
           f"cluster resources: {self._ray.cluster_resources()}") from None
+
+  def worker_slots(self):
+    """The worker slots of the cluster's live nodes now (elastic)."""
+    cluster = self._args.cluster
+    return worker_slots(
+        self._ray.nodes(), cpus_per_task=self._args.cpus_per_task,
+        gpus_per_task=self._args.gpus_per_task,
+        other_tasks=sum(cluster.counts().values()) - cluster.workers,
+        left_out=self._lost_nodes)
+
+  def drop_worker(self, index):
+    """Worker `index` of the last attempt is dropped for good: its node
+    is left out of the slot count (Ray may still list a node that is
+    gone as alive for a while)."""
+    node = self._nodes.get(f"worker:{index}")
+    if node:
+      self._lost_nodes.add(node)
+      self._log(f"node {node[:12]} is left out of the worker slots from "
+                "now on.")
 
   def _new_actor(self, name):
     from ray.util.scheduling_strategies import \
@@ -116,17 +177,26 @@ class RayJob:
             placement_group=self._group,
             placement_group_bundle_index=index)).remote()
 
-  def make_tasks(self, unused_args):
-    """One attempt: fresh actors, their addresses, every TF_CONFIG."""
+  def make_tasks(self, args):
+    """One attempt: fresh actors, their addresses, every TF_CONFIG; a
+    new placement group when the membership changed."""
     self.release_actors()
+    if self._group is None or task_names(args.cluster) != self._names:
+      started = time.monotonic()
+      self.reserve(args.cluster)
+      self._log(f"placement group ready: {len(self._names)} bundles of "
+                f"{bundles(self._args)[0]}, {self._args.placement_strategy}"
+                f", in {time.monotonic() - started:.1f}s")
     self._actors = {name: self._new_actor(name) for name in self._names}
     probed = self._ray.get([a.address.remote()
                             for a in self._actors.values()])
+    self._nodes = dict(zip(self._names, self._ray.get(
+        [a.node_id.remote() for a in self._actors.values()])))
     addresses = {}
     for name, address in zip(self._names, probed):
       addresses.setdefault(name.split(":")[0], []).append(address)
     return description.task_commands(
-        self._args.cluster, addresses=addresses, module=self._args.module,
+        args.cluster, addresses=addresses, module=self._args.module,
         train_args=self._args.train_args)
 
   def spawn(self, spec, env):
@@ -151,6 +221,10 @@ class RayJob:
       from ray.util.placement_group import remove_placement_group
       remove_placement_group(self._group)
       self._group = None
+
+
+class PlacementError(RuntimeError):
+  """Ray cannot place the job's bundles."""
 
 
 class RayUnavailable(RuntimeError):
@@ -210,29 +284,27 @@ def main(argv=None):
   def log(message):
     processes.write_line(sys.stdout, f"[launch] {message}")
 
-  started = time.monotonic()
   try:
     with session(address=args.address, log=log,
                  cpus_needed=len(task_names(args.cluster)) *
                  args.cpus_per_task):
-      code = _launch(args, log, started)
+      code = _launch(args, log)
   except RayUnavailable as e:
     sys.exit(f"python -m launch.ray: error: {e}")
   sys.exit(code)
 
 
-def _launch(args, log, started):
+def _launch(args, log):
   job = RayJob(args, log=log)
   try:
-    try:
-      job.reserve()
-    except RuntimeError as e:
-      return f"python -m launch.ray: error: {e}"
-    log(f"placement group ready: {len(task_names(args.cluster))} bundles "
-        f"of {bundles(args)[0]}, {args.placement_strategy}, in "
-        f"{time.monotonic() - started:.1f}s")
-    return core.Launcher(args, make_tasks=job.make_tasks,
-                         spawn=job.spawn).run()
+    # The placement group is reserved with the first attempt's tasks: an
+    # elastic job first waits for MIN worker slots among the live nodes.
+    return core.Launcher(
+        args, make_tasks=job.make_tasks, spawn=job.spawn,
+        discover=job.worker_slots, drop_worker=job.drop_worker,
+        discover_every_seconds=args.discovery_seconds).run()
+  except PlacementError as e:
+    return f"python -m launch.ray: error: {e}"
   finally:
     job.close()
 

@@ -93,6 +93,10 @@ class TaskActor:
       probe.bind((ip, 0))
       return f"{ip}:{probe.getsockname()[1]}"
 
+  def node_id(self):
+    """The Ray node this actor runs on."""
+    return ray.get_runtime_context().get_node_id()
+
   def start(self, argv, env, cwd):
     """Starts `argv` with this node's Python; returns (pid, actor pid)."""
     self._scratch = tempfile.mkdtemp(prefix="tfdist-ray-task-")

@@ -4,29 +4,42 @@ TF_CONFIG, output prefixed with `role:index`.
 python -m launch.ssh --hosts=h1,h2[,...] [--chief] [--workers=N] [--ps=M]
     [--evaluator] [--port=2222] [--ssh_args='-p 22 -i KEY'] [--workdir=DIR]
     [--python=python] [--max_restarts=K] -- <tfdist.train flags>
+python -m launch.ssh --workers=MIN:MAX --host_discovery=SCRIPT
+    [--hosts=CHIEF,PS...] ... -- <tfdist.train flags>
 
 It takes the same cluster description as every launcher. Hosts take the
 tasks in order: the chief (with --chief), the workers, the ps tasks, then
 the evaluator; without --workers, every host left is a worker. A host
-listed twice runs two tasks, on ports --port and --port+1. ssh runs with a forced tty (-tt), so when the
-launcher stops a task, or gets Ctrl-C, the remote process gets SIGHUP and
-ends with its session. Failures restart the job by the shared policy of launch.core.
+listed twice runs two tasks, on ports --port and --port+1. ssh runs with a
+forced tty (-tt), so when the launcher stops a task, or gets Ctrl-C, the
+remote process gets SIGHUP and ends with its session. Failures restart the
+job by the shared policy of launch.core.
+
+Elastic (--workers=MIN:MAX): the workers' hosts are the worker part of
+--hosts, or, with --host_discovery, the 'host:slots' lines the script
+prints (--hosts then lists only the chief, ps and evaluator hosts). A
+worker dropped for good gives up its slot until discovery offers it again.
 """
 
 import argparse
+import dataclasses
 import shlex
 import sys
 
 from . import core
 from . import description
+from . import processes
 from tfdist import cluster
 
 
 def parse_args(argv):
   parser = argparse.ArgumentParser(prog="python -m launch.ssh")
-  parser.add_argument("--hosts", required=True,
-                      help="Comma-separated hosts, one task each.")
-  description.add_arguments(parser, workers_default=None)
+  parser.add_argument("--hosts", default="",
+                      help="Comma-separated hosts, one task each: the chief, "
+                      "the workers, the ps tasks, the evaluator. With "
+                      "--host_discovery, no workers.")
+  description.add_arguments(parser, workers_default=None, elastic=True)
+  core.add_discovery_arguments(parser, hosts_help="")
   parser.add_argument("--port", type=int, default=2222,
                       help="First TF port on each host.")
   parser.add_argument("--ssh_args", default="",
@@ -38,20 +51,88 @@ def parse_args(argv):
   core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
   hosts = [h for h in args.hosts.split(",") if h]
+  others = int(args.chief) + args.ps + int(args.evaluator)
   if args.workers is None:
-    args.workers = (len(hosts) - int(args.chief) - args.ps -
-                    int(args.evaluator))
+    args.workers = len(hosts) - others
   core.finish_args(parser, args)
   try:
-    tasks = sum(args.cluster.counts().values())
-    if tasks != len(hosts):
-      raise ValueError(f"--hosts lists {len(hosts)} host(s) for {tasks} "
-                       f"task(s) {args.cluster.counts()}; give one host per "
-                       "task (a host may repeat).")
-    args.addresses = _role_addresses(args.cluster, hosts, args.port)
+    args.worker_hosts, args.role_hosts = _split_hosts(args, hosts)
+    if not args.host_discovery:
+      workers = len(args.worker_hosts)
+      if args.cluster.elastic:
+        # Start on every worker host given; MIN:MAX bounds that count.
+        low, high = args.cluster.min_workers, args.cluster.max_workers
+        if not low <= workers <= high:
+          raise ValueError(f"--hosts names {workers} worker host(s), "
+                           f"outside --workers={low}:{high}. Received: "
+                           f"--hosts={args.hosts}")
+        args.cluster = dataclasses.replace(args.cluster, workers=workers)
+      elif workers != args.cluster.workers:
+        raise ValueError(
+            f"--hosts lists {len(hosts)} host(s) for "
+            f"{sum(args.cluster.counts().values())} task(s) "
+            f"{args.cluster.counts()}; give one host per task (a host may "
+            "repeat).")
+    cluster.addresses_from_hosts(hosts, args.port)  # Checks the port.
   except (ValueError, cluster.ClusterError) as e:
     parser.error(str(e))
   return args
+
+
+def _split_hosts(args, hosts):
+  """(worker hosts, {role: hosts} of the other roles) from --hosts, in
+  the order chief, workers, ps, evaluator; with --host_discovery it
+  names no worker."""
+  others = int(args.chief) + args.ps + int(args.evaluator)
+  if args.host_discovery and len(hosts) != others:
+    raise ValueError(f"with --host_discovery, --hosts lists only the "
+                     f"{others} chief, ps and evaluator host(s). Received: "
+                     f"--hosts={','.join(hosts)}")
+  if len(hosts) < others + (0 if args.host_discovery else 1):
+    raise ValueError(f"--hosts lists {len(hosts)} host(s); the chief, ps "
+                     f"and evaluator take {others} and a job needs a "
+                     "worker.")
+  chief, rest = hosts[:int(args.chief)], hosts[int(args.chief):]
+  workers = rest[:len(rest) - args.ps - int(args.evaluator)]
+  tail = rest[len(workers):]
+  return workers, {"chief": chief, "ps": tail[:args.ps],
+                   "evaluator": tail[args.ps:]}
+
+
+class WorkerHosts:
+  """The worker slots, in order: the worker hosts --hosts names, or,
+  with a discovery `command`, the hosts it offers (a host with k slots
+  runs up to k workers). Workers take the first slots. The discovery
+  script is the truth: a slot dropped after a failure comes back when
+  the script offers it again."""
+
+  def __init__(self, hosts, *, command="", min_workers=1, log=print):
+    self._hosts = list(hosts)
+    self._command = command
+    self._min_workers = min_workers
+    self._log = log
+
+  def discover(self):
+    """Runs the discovery command; returns the number of slots it
+    offers, or None when it cannot tell. An offer below MIN is not
+    taken: the running group keeps its hosts."""
+    offered = core.discover_hosts(self._command, self._log)
+    if offered is None:
+      return None
+    hosts = [host for host, slots in offered for _ in range(slots)]
+    if len(hosts) >= self._min_workers:
+      self._hosts = hosts
+    return len(hosts)
+
+  def drop(self, index):
+    """Worker `index` of the last attempt is dropped: its slot goes."""
+    self._hosts.pop(index)
+
+  def take(self, count):
+    if count > len(self._hosts):
+      raise ValueError(f"{count} workers need {count} worker slots; "
+                       f"{len(self._hosts)} are known: {self._hosts}")
+    return self._hosts[:count]
 
 
 def _role_addresses(desc, hosts, port):
@@ -70,10 +151,16 @@ def remote_command(args, spec):
           f"{shlex.quote(args.python)} -m {args.module} {train}")
 
 
-def ssh_tasks(args):
+def ssh_tasks(args, worker_hosts):
+  """The TaskSpecs of one attempt: args.cluster's workers on the first
+  hosts of `worker_hosts` (a WorkerHosts)."""
+  roles = args.role_hosts
+  hosts = (roles["chief"] + worker_hosts.take(args.cluster.workers) +
+           roles["ps"] + roles["evaluator"])
   specs = description.task_commands(
-      args.cluster, addresses=args.addresses, module=args.module,
-      train_args=args.train_args)
+      args.cluster, addresses=_role_addresses(args.cluster, hosts,
+                                              args.port),
+      module=args.module, train_args=args.train_args)
   return [description.TaskSpec(
       role=s.role, index=s.index, address=s.address, env={},
       argv=["ssh", "-tt", *shlex.split(args.ssh_args),
@@ -83,7 +170,17 @@ def ssh_tasks(args):
 
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  sys.exit(core.Launcher(args, make_tasks=ssh_tasks).run())
+
+  def log(message):
+    processes.write_line(sys.stdout, f"[launch] {message}")
+
+  hosts = WorkerHosts(args.worker_hosts, command=args.host_discovery,
+                      min_workers=args.cluster.min_workers or 1, log=log)
+  sys.exit(core.Launcher(
+      args, make_tasks=lambda a: ssh_tasks(a, hosts),
+      discover=hosts.discover if args.host_discovery else None,
+      discover_every_seconds=args.discovery_seconds,
+      drop_worker=hosts.drop).run())
 
 
 if __name__ == "__main__":

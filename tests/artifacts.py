@@ -32,16 +32,20 @@ def checkpoint_step(model_dir):
   return int(reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE"))
 
 
-def scalars(log_dir, tag):
-  """[(step, value)] of a scalar summary in every event file of log_dir."""
+def scalars(log_dir, tag, *, in_time_order=False):
+  """[(step, value)] of a scalar summary in every event file of log_dir,
+  sorted by step, or by the time written (a resumed run writes a step
+  again)."""
   points = []
   for path in sorted(glob.glob(os.path.join(log_dir, "events.out.*"))):
     for event in tf.compat.v1.train.summary_iterator(path):
       for value in event.summary.value:
         if value.tag == tag:
-          points.append((event.step,
+          points.append((event.wall_time, event.step,
                          float(tf.make_ndarray(value.tensor))))
-  return sorted(points)
+  points.sort(key=(lambda point: point[0]) if in_time_order else
+              (lambda point: point[1:]))
+  return [point[1:] for point in points]
 
 
 def summary_tags(log_dir):

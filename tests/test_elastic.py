@@ -26,14 +26,14 @@ LAUNCH = ["--backoff_seconds=0.2", "--stop_grace_seconds=5",
           "--isolate=off"]
 
 
-def _args(model_dir, data_dir, steps):
+def train_args(model_dir, data_dir, steps):
   return [f"--model_dir={model_dir}", f"--data_dir={data_dir}",
           f"--train_steps={steps}", *COMMON]
 
 
-def _assert_one_device_weights(model_dir, tmp_path, data_dir, steps):
+def assert_one_device_weights(model_dir, tmp_path, data_dir, steps):
   reference = tmp_path / "one_device"
-  run_cli(*_args(reference, data_dir, steps), "--strategy=default")
+  run_cli(*train_args(reference, data_dir, steps), "--strategy=default")
   ours, theirs = (artifacts.model_weights(str(d))
                   for d in (model_dir, reference))
   trainable = [k for k in theirs if "_trainable_variables" in k]
@@ -56,7 +56,7 @@ def _kill_after_checkpoint(workers, model_dir, data_dir, steps, checkpoint,
   chief saved ckpt-`checkpoint`. Returns (exit code, output)."""
   run = LauncherProcess(
       [f"--workers={workers}", "--max_restarts=0", *LAUNCH],
-      [*_args(model_dir, data_dir, steps),
+      [*train_args(model_dir, data_dir, steps),
        "--strategy=multi_worker_mirrored"])
   run.wait_for(lambda l: l.startswith("worker:0") and
                f"ckpt-{checkpoint}." in l)
@@ -78,10 +78,10 @@ def test_shrink_drops_a_lost_worker_and_finishes_exactly(tmp_path,
   assert "worker:0 | Finished at step 60/60" in output
   assert artifacts.checkpoint_step(str(model_dir)) == 60
   # Two starts, as TensorBoard shows them: 3 workers, then 2.
-  sizes = [v for _, v in artifacts.scalars(str(model_dir / "train"),
-                                           "workers")]
+  sizes = [v for _, v in artifacts.scalars(
+      str(model_dir / "train"), "workers", in_time_order=True)]
   assert sizes == [3, 2]
-  _assert_one_device_weights(model_dir, tmp_path, data_dir, 60)
+  assert_one_device_weights(model_dir, tmp_path, data_dir, 60)
 
 
 @pytest.mark.serial
@@ -92,7 +92,7 @@ def test_grow_adds_the_worker_discovery_offers(tmp_path, data_dir):
   run = LauncherProcess(
       ["--workers=1:3", f"--host_discovery=cat {slots}",
        "--discovery_seconds=0.5", *LAUNCH],
-      [*_args(model_dir, data_dir, 80),
+      [*train_args(model_dir, data_dir, 80),
        "--strategy=multi_worker_mirrored"])
   run.wait_for(lambda l: l.startswith("worker:0") and "ckpt-20." in l)
   slots.write_text("localhost:2\n127.0.0.1:1\n")
@@ -103,7 +103,7 @@ def test_grow_adds_the_worker_discovery_offers(tmp_path, data_dir):
   assert "preempted (SIGTERM): checkpoint saved at" in output
   assert _resumed_with(output, 3) >= 20
   assert "worker:0 | Finished at step 80/80" in output
-  _assert_one_device_weights(model_dir, tmp_path, data_dir, 80)
+  assert_one_device_weights(model_dir, tmp_path, data_dir, 80)
 
 
 @pytest.mark.serial

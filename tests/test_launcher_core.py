@@ -31,7 +31,8 @@ def _exit_after(seconds, code):
   return f"import sys, time; time.sleep({seconds}); sys.exit({code})"
 
 
-def _launcher(cluster, scripts, *, max_restarts=3, backoff_seconds=0.1):
+def _launcher(cluster, scripts, *, max_restarts=3, backoff_seconds=0.1,
+              discover=None):
   """A Launcher whose tasks run the given Python one-liners, and the
   stream its log goes to."""
   args = argparse.Namespace(cluster=cluster, max_restarts=max_restarts,
@@ -39,9 +40,9 @@ def _launcher(cluster, scripts, *, max_restarts=3, backoff_seconds=0.1):
                             stop_grace_seconds=5.0)
   out = io.StringIO()
 
-  def make_tasks(unused_args):
+  def make_tasks(attempt_args):
     specs = []
-    for role, count in cluster.counts().items():
+    for role, count in attempt_args.cluster.counts().items():
       for index in range(count):
         name = f"{role}:{index}"
         specs.append(description.TaskSpec(
@@ -49,7 +50,8 @@ def _launcher(cluster, scripts, *, max_restarts=3, backoff_seconds=0.1):
             argv=[sys.executable, "-c", scripts[name]], env={}))
     return specs
 
-  return core.Launcher(args, make_tasks=make_tasks, out=out), out
+  return core.Launcher(args, make_tasks=make_tasks, out=out,
+                       discover=discover, discover_every_seconds=0.1), out
 
 
 def _run_with_deadline(launcher, seconds):
@@ -197,3 +199,38 @@ def test_train_exits_43_in_one_line_when_its_port_is_taken(tmp_path):
                     f"server at 127.0.0.1:{port}: the port is taken (exit "
                     f"code 43: launchers relaunch with new ports)."], \
       proc.stderr
+
+
+def _offers(*counts):
+  """A discovery function that offers `counts` in turn, then the last."""
+  offers = list(counts)
+  return lambda: offers.pop(0) if len(offers) > 1 else offers[0]
+
+
+def test_elastic_start_waits_for_min_slots():
+  cluster = description.ClusterDescription(workers=3, min_workers=2,
+                                           max_workers=3)
+  scripts = {f"worker:{i}": _exit_after(0.2, 0) for i in range(3)}
+  launcher, out = _launcher(cluster, scripts,
+                            discover=_offers(None, 1, 1, 2))
+  code, _ = _run_with_deadline(launcher, 30)
+  log = out.getvalue()
+  assert code == 0, log
+  assert log.count("fewer than the minimum of 2; waiting for more") == 1
+  assert "discovery offers 2 worker slot(s): starting with 2 workers" in log
+  assert "started worker:2" not in log
+
+
+def test_elastic_run_ignores_offers_below_min_and_grows_to_max():
+  # Offers 3 at the start (starts 3 of MAX 4), then 1 (below MIN: the
+  # group carries on), then 9 (capped at MAX): one change, 3 -> 4.
+  cluster = description.ClusterDescription(workers=4, min_workers=2,
+                                           max_workers=4)
+  scripts = {f"worker:{i}": _exit_after(1.0, 0) for i in range(4)}
+  launcher, out = _launcher(cluster, scripts,
+                            discover=_offers(3, 1, 1, 9))
+  code, _ = _run_with_deadline(launcher, 30)
+  log = out.getvalue()
+  assert code == 0, log
+  changes = [l for l in log.splitlines() if "membership change" in l]
+  assert len(changes) == 1 and "3 -> 4 workers" in changes[0], log

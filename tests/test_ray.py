@@ -10,10 +10,12 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 import artifacts
+import test_elastic
 from conftest import ROOT
 from conftest import LauncherProcess
 from conftest import long_test
@@ -119,12 +121,76 @@ def test_ctrl_c_leaves_no_process(netns, tmp_path, data_dir):
     (["--workers=1", "--cpus_per_task=-1"],
      "--cpus_per_task and --gpus_per_task must be >= 0"),
     (["--workers=0"], "a job needs at least one worker or a chief"),
+    (["--workers=2:3", "--", "--batch_size=64"],
+     "--workers=2:3 keeps the global batch, which 3 worker(s) cannot split"),
 ])
 def test_bad_input_is_one_line(argv, message):
-  proc = subprocess.run([sys.executable, "-m", "launch.ray", *argv, "--",
+  if "--" not in argv:
+    argv = [*argv, "--"]
+  proc = subprocess.run([sys.executable, "-m", "launch.ray", *argv,
                          "--model_dir=unused"], cwd=ROOT, capture_output=True,
                         text=True, timeout=60)
   assert proc.returncode != 0
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("python -m launch.ray: error: ") and message in last
   assert "Traceback" not in proc.stderr
+
+
+def _command(control, name, timeout=120):
+  """Asks tests/ray_nodes.py to `name` (add, remove) and waits for it."""
+  (control / name).touch()
+  deadline = time.monotonic() + timeout
+  while not (control / f"{name}.done").exists():
+    assert time.monotonic() < deadline, f"ray_nodes.py did not {name}"
+    time.sleep(0.2)
+  (control / f"{name}.done").unlink()
+
+
+def test_elastic_job_follows_nodes_joining_and_leaving(netns, tmp_path,
+                                                       data_dir):
+  """A Ray cluster of one 2-CPU node runs 2 workers; a node that joins
+  adds a third, and when that node is gone the job carries on with 2.
+  Every membership trains the weights one device would."""
+  control = tmp_path / "nodes"
+  control.mkdir()
+  nodes = subprocess.Popen([*netns, sys.executable, "tests/ray_nodes.py",
+                            str(control), "2"], cwd=ROOT,
+                           stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.monotonic() + 120
+    while not (control / "address").exists():
+      assert time.monotonic() < deadline and nodes.poll() is None
+      time.sleep(0.2)
+    model_dir = tmp_path / "run"
+    # Room for two changes (about 20 s each) before the last step: about
+    # 25 steps/s here.
+    steps = 600
+    run = _launch(netns, [f"--address={(control / 'address').read_text()}",
+                          "--workers=2:3", "--max_restarts=0",
+                          "--discovery_seconds=1", "--backoff_seconds=0.2",
+                          "--stop_grace_seconds=5"],
+                  [*test_elastic.train_args(model_dir, data_dir, steps),
+                   "--strategy=multi_worker_mirrored"])
+    run.wait_for(lambda l: l.startswith("worker:0") and "ckpt-20." in l)
+    _command(control, "add")
+    run.wait_for(lambda l: "membership change: 2 -> 3 workers" in l)
+    run.wait_for(lambda l: l.startswith("worker:2") and "train step" in l)
+    _command(control, "remove")
+    code, output = run.finish()
+    assert code == 0, output[-3000:]
+    assert "discovery offers 2 worker slot(s): starting with 2" in output
+    assert "membership change: 3 -> 2 workers" in output, output[-3000:]
+    assert f"worker:0 | Finished at step {steps}/{steps}" in output
+    assert artifacts.checkpoint_step(str(model_dir)) == steps
+    sizes = [v for _, v in artifacts.scalars(
+        str(model_dir / "train"), "workers", in_time_order=True)]
+    assert sizes == [2, 3, 2]
+    test_elastic.assert_one_device_weights(model_dir, tmp_path, data_dir,
+                                           steps)
+  finally:
+    (control / "stop").touch()
+    try:
+      nodes.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+      nodes.kill()

@@ -12,6 +12,8 @@ import portpicker
 import pytest
 
 import artifacts
+import test_elastic
+from conftest import LauncherProcess
 from conftest import ROOT
 
 # Kills processes, times out or owns a daemon: run alone (.ci/run).
@@ -110,3 +112,51 @@ def test_ctrl_c_stops_the_remote_processes(sshd, tmp_path, data_dir):
   while _remote_pids(model_dir) and time.monotonic() < deadline:
     time.sleep(0.2)
   assert _remote_pids(model_dir) == []
+
+
+def _remote_worker_pid(marker, index):
+  """The training process of worker `index` (its TF_CONFIG says so)."""
+  for pid in _remote_pids(marker):
+    try:
+      with open(f"/proc/{pid}/environ", "rb") as f:
+        environ = f.read()
+    except OSError:
+      continue
+    if f'"type": "worker", "index": {index}}}'.encode() in environ:
+      return pid
+  raise AssertionError(f"no remote worker:{index} runs")
+
+
+def test_elastic_job_grows_and_shrinks_with_discovery(sshd, tmp_path,
+                                                      data_dir):
+  """Discovery offers 2 slots, then 3: the job grows at a checkpoint.
+  Then a host's slot goes and its worker dies: the job carries on with
+  2. Every membership trains the weights one device would."""
+  slots = tmp_path / "slots"
+  slots.write_text("127.0.0.1:2\n")
+  model_dir = tmp_path / "run"
+  steps = 600  # Room for two changes before the last step.
+  run = LauncherProcess(
+      ["--workers=2:3", f"--host_discovery=cat {slots}",
+       "--discovery_seconds=0.5", f"--port={portpicker.pick_unused_port()}",
+       f"--ssh_args={sshd}", f"--workdir={ROOT}",
+       f"--python={sys.executable}", "--max_restarts=0",
+       "--backoff_seconds=0.2", "--stop_grace_seconds=5"],
+      [*test_elastic.train_args(model_dir, data_dir, steps),
+       "--strategy=multi_worker_mirrored"], module="launch.ssh")
+  run.wait_for(lambda l: l.startswith("worker:0") and "ckpt-20." in l)
+  slots.write_text("127.0.0.1:3\n")
+  run.wait_for(lambda l: l.startswith("worker:2") and "train step" in l)
+  slots.write_text("127.0.0.1:2\n")
+  os.kill(_remote_worker_pid(model_dir, 2), signal.SIGKILL)
+  code, output = run.finish()
+  assert code == 0, output[-3000:]
+  assert "discovery offers 2 worker slot(s): starting with 2" in output
+  assert "membership change: 2 -> 3 workers" in output
+  assert "membership change: 3 -> 2 workers" in output, output[-3000:]
+  assert f"worker:0 | Finished at step {steps}/{steps}" in output
+  sizes = [v for _, v in artifacts.scalars(
+      str(model_dir / "train"), "workers", in_time_order=True)]
+  assert sizes == [2, 3, 2]
+  test_elastic.assert_one_device_weights(model_dir, tmp_path, data_dir,
+                                         steps)

@@ -206,3 +206,39 @@ def test_eval_counts_exactly_beyond_float32():
   sums = loops.wire.unpack_eval(loops.wire.pack_eval(state).numpy(), 1)
   assert sums.examples == big + 1  # float32 would give 2**24.
   assert sums.stop is False
+
+
+def test_ray_worker_slots_count_live_nodes_beside_other_tasks():
+  ray = pytest.importorskip("launch.ray")
+  nodes = [{"NodeID": "a", "Alive": True, "Resources": {"CPU": 2.5}},
+           {"NodeID": "b", "Alive": True, "Resources": {"CPU": 1.0}},
+           {"NodeID": "c", "Alive": False, "Resources": {"CPU": 8.0}}]
+  def slots(**kw):
+    return ray.worker_slots(nodes, **{"cpus_per_task": 1.0,
+                                      "gpus_per_task": 0.0,
+                                      "other_tasks": 0, **kw})
+  assert slots() == 3
+  assert slots(other_tasks=1) == 2  # A chief takes one.
+  assert slots(left_out={"b"}) == 2
+  assert slots(gpus_per_task=1.0) == 0  # No node has a GPU.
+  assert slots(cpus_per_task=0.0) is None
+
+
+def test_ssh_worker_hosts_follow_discovery_above_min(tmp_path):
+  from launch import ssh
+  offer = tmp_path / "hosts"
+  said = []
+  hosts = ssh.WorkerHosts(["a"], command=f"cat {offer}", min_workers=2,
+                          log=said.append)
+  assert hosts.take(1) == ["a"]
+  offer.write_text("h1:2\nh2:1\n")
+  assert hosts.discover() == 3 and hosts.take(3) == ["h1", "h1", "h2"]
+  offer.write_text("h1:1\n")
+  assert hosts.discover() == 1  # Below MIN: the hosts stay.
+  assert hosts.take(3) == ["h1", "h1", "h2"]
+  hosts.drop(1)  # worker:1 is dropped: its slot goes.
+  assert hosts.take(2) == ["h1", "h2"]
+  with pytest.raises(ValueError, match="3 workers need 3 worker slots"):
+    hosts.take(3)
+  offer.write_text("h1 2\n")
+  assert hosts.discover() is None and "not host:slots" in said[-1]
