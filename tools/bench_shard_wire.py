@@ -1,0 +1,127 @@
+"""Bytes on the wire: reduce-scatter + all-gather (tfdist.collectives)
+against one all-reduce of the same buffer, for MultiWorkerMirrored.
+
+sudo python -m tools.bench_shard_wire [--workers=2] [--floats=1000000]
+    [--short=20] [--long=60] [--rounds=3]
+
+Each job runs in a fresh network namespace with only `lo`, so its loopback
+counter sees only that job. A job is --workers processes that each run K
+exchanges of a float32 buffer of --floats elements: either the strategy's
+all-reduce (ring), or tfdist's all-to-all reduce-scatter followed by the
+all-gather of the shards, the pair a sharded optimizer sends per step.
+Jobs of --short and --long exchanges cancel start-up: the difference in
+bytes over the difference in K is the cost of one exchange. Loopback
+counts each packet once: bytes per worker = total / workers. Prints each
+round and the median ratio [min-max]; the ring bound is 2(N-1)/N x the
+buffer. Needs root and iproute2.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import portpicker
+
+from tools.bench_allreduce import Namespace
+
+_MODES = ("all_reduce", "sharded")
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(prog="python -m tools.bench_shard_wire")
+  parser.add_argument("--workers", type=int, default=2)
+  parser.add_argument("--floats", type=int, default=1_000_000)
+  parser.add_argument("--short", type=int, default=20)
+  parser.add_argument("--long", type=int, default=60)
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--worker", default=None,
+                      help="(internal) index,mode,exchanges,ports")
+  args = parser.parse_args(argv)
+  if args.workers < 2 or args.floats < 1 or not 0 < args.short < args.long:
+    parser.error(f"need --workers >= 2, --floats >= 1 and 0 < --short < "
+                 f"--long. Received: workers={args.workers}, floats="
+                 f"{args.floats}, short={args.short}, long={args.long}")
+  return args
+
+
+def worker(spec, floats):
+  """One worker process: `exchanges` exchanges of the buffer."""
+  index, mode, exchanges, ports = spec.split(",", 3)
+  os.environ["TF_CONFIG"] = json.dumps({
+      "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports.split(":")]},
+      "task": {"type": "worker", "index": int(index)}})
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist import collectives  # pylint: disable=g-import-not-at-top
+  strategy = tf.distribute.MultiWorkerMirroredStrategy(
+      communication_options=tf.distribute.experimental.CommunicationOptions(
+          implementation=tf.distribute.experimental.CommunicationImplementation.RING))
+  shards = collectives.ShardCollectives(strategy, length=floats)
+
+  @tf.function
+  def exchange(scale):
+    def replica_fn():
+      values = tf.ones([floats]) * scale
+      if mode == "all_reduce":
+        return tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, values)
+      return shards.all_gather(shards.reduce_scatter(values))
+    return tf.reduce_sum(strategy.experimental_local_results(
+        strategy.run(replica_fn))[0])
+
+  for k in range(int(exchanges)):
+    total = float(exchange(tf.constant(float(k))))
+    if total != k * len(ports.split(":")) * floats:
+      raise AssertionError(f"exchange {k} summed to {total}")
+
+
+def _job(ns, workers, mode, exchanges, floats):
+  """Loopback bytes of one job."""
+  ports = ":".join(str(portpicker.pick_unused_port()) for _ in range(workers))
+  before = ns.tx_bytes()
+  procs = [subprocess.Popen(
+      ["ip", "netns", "exec", ns.name, sys.executable, "-m",
+       "tools.bench_shard_wire", f"--floats={floats}",
+       f"--worker={i},{mode},{exchanges},{ports}"],
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+      for i in range(workers)]
+  for proc in procs:
+    _, err = proc.communicate(timeout=600)
+    if proc.returncode:
+      raise RuntimeError(f"a worker exited {proc.returncode}:\n{err[-2000:]}")
+  return ns.tx_bytes() - before
+
+
+def main(argv=None):
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  if args.worker:
+    worker(args.worker, args.floats)
+    return
+  n = args.workers
+  bound = 2 * (n - 1) / n * 4 * args.floats
+  print(f"{n} workers, a float32 buffer of {args.floats} elements "
+        f"({4 * args.floats / 1e6:.1f} MB), jobs of {args.short} and "
+        f"{args.long} exchanges; ring bound {bound:.0f} bytes/worker.")
+  ratios = []
+  with Namespace() as ns:
+    for k in range(args.rounds):
+      per_worker = {}
+      for mode in _MODES:  # Interleaved, round by round.
+        short, long_ = (_job(ns, n, mode, steps, args.floats)
+                        for steps in (args.short, args.long))
+        per_worker[mode] = (long_ - short) / (args.long - args.short) / n
+      ratio = per_worker["sharded"] / per_worker["all_reduce"]
+      ratios.append(ratio)
+      print(f"round {k + 1}: all-reduce {per_worker['all_reduce']:.0f} "
+            f"({per_worker['all_reduce'] / bound:.3f} of the bound), "
+            f"reduce-scatter + all-gather {per_worker['sharded']:.0f} "
+            f"bytes/worker: {ratio:.3f}x", flush=True)
+  print(f"sharded / all-reduce, median [min-max] of {args.rounds}: "
+        f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-"
+        f"{max(ratios):.3f}]")
+
+
+if __name__ == "__main__":
+  main()
