@@ -266,9 +266,10 @@ class Launcher:
       if slots is not None and slots >= self._cluster.min_workers:
         break
       if not said:
-        self._log(f"discovery offers {slots} worker slot(s), "
-                  f"fewer than the minimum of {self._cluster.min_workers}; "
-                  "waiting for more.")
+        offer = ("no answer" if slots is None else
+                 f"{slots} worker slot(s), fewer than the minimum of "
+                 f"{self._cluster.min_workers}")
+        self._log(f"discovery gives {offer}; waiting for more.")
         said = True
       if time.monotonic() > deadline:
         self._log(f"discovery offered fewer than "
