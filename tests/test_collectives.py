@@ -52,3 +52,24 @@ def test_reduce_scatter_and_all_gather_on_two_workers():
     assert lines and "2 replicas" in lines[0]
     ranks.add(lines[0].split("ranks ")[1].split("]")[0])
   assert ranks == {"[0", "[1"}  # Each worker holds its own shard.
+
+
+@pytest.mark.parametrize("replicas,optimizer,clip", [
+    (2, "adam", 0.0), (4, "momentum", 0.5), (4, "adamw", 0.3)])
+def test_sharded_update_gives_one_devices_weights_and_slots(
+    replicas, optimizer, clip):
+  # tests/sharded_check.py: 8 steps of a cosine schedule with warmup; the
+  # weights and every slot against Keras's own update on one device.
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "tests", "sharded_check.py"),
+       str(replicas), optimizer, str(clip)], cwd=ROOT, capture_output=True,
+      text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  [line] = [l for l in proc.stdout.splitlines()
+            if l.startswith("sharded ok:")]
+  held, whole = (int(n) for n in
+                 line.split("state per replica ")[1].split(" bytes")[0]
+                 .split(" of "))
+  slots = 2 if optimizer.startswith("adam") else 1
+  # 1/N of the state, up to the padding of the flat buffer (< N elements).
+  assert 0 <= held * replicas - whole < replicas * 4 * slots, line

@@ -54,6 +54,26 @@ def test_tensorboard_events(finished_run):
   assert traces, "no profiler trace"
 
 
+def test_memory_per_replica_device_is_logged_and_in_tensorboard(
+    finished_run):
+  # Adam keeps two slots per weight, on every replica: the state that
+  # sharding the optimizer (issue #25) would divide by the replicas.
+  model_dir, proc = finished_run
+  weights = artifacts.model_weights(model_dir)
+  trainable = sum(v.nbytes for k, v in weights.items()
+                  if "_trainable_variables" in k)
+  train = os.path.join(model_dir, "train")
+  for device in ("CPU:0", "CPU:1"):
+    [(_, variables)] = artifacts.scalars(train, f"variable_bytes/{device}")
+    [(_, state)] = artifacts.scalars(train, f"optimizer_bytes/{device}")
+    assert variables == trainable
+    # The two slots, plus the step counter and the learning rate.
+    assert 2 * trainable < state <= 2 * trainable + 16
+  assert ("Memory on each of 2 devices (CPU:0, CPU:1): variables "
+          f"{trainable / 1e6:.2f} MB, optimizer state") in proc.stderr
+  assert "(optimizer state 2.0x the trainable weights)" in proc.stderr
+
+
 def test_export_serves_predictions(finished_run, data_dir):
   model_dir, _ = finished_run
   loaded = tf.saved_model.load(os.path.join(model_dir, "export"))

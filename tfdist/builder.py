@@ -213,6 +213,37 @@ def resolve_callbacks(config, given=None):
   return callbacks_lib.check(found)
 
 
+def _memory_per_device(model, optimizer, strategy):
+  """Logs the bytes of the variables and of the optimizer state on each
+  device (a mirrored copy counts on each replica's device); returns them
+  as startup scalars variable_bytes/<device>, optimizer_bytes/<device>."""
+  weights = devices.bytes_per_device(model.weights, strategy)
+  state = devices.bytes_per_device(optimizer.variables, strategy)
+  trainable = sum(devices.variable_bytes(w) for w in model.trainable_weights)
+  held = {d: (weights.get(d, 0), state.get(d, 0))
+          for d in sorted(set(weights) | set(state))}
+
+  def sizes(pair):
+    return (f"variables {pair[0] / 1e6:.2f} MB, optimizer state "
+            f"{pair[1] / 1e6:.2f} MB")
+
+  if len(set(held.values())) == 1:
+    pair = next(iter(held.values()))
+    where = (f"each of {len(held)} devices ({', '.join(held)})"
+             if len(held) > 1 else next(iter(held)))
+    logging.info("Memory on %s: %s (optimizer state %.1fx the trainable "
+                 "weights).", where, sizes(pair),
+                 pair[1] / max(trainable, 1))
+  else:
+    logging.info("Memory: %s.", "; ".join(
+        f"{d}: {sizes(pair)}" for d, pair in held.items()))
+  scalars = {}
+  for device, (variable_size, state_size) in held.items():
+    scalars[f"variable_bytes/{device}"] = variable_size
+    scalars[f"optimizer_bytes/{device}"] = state_size
+  return scalars
+
+
 def build_trainer(config, info, task, *, write_dir, callbacks=()):
   """Every part of a run, handed to a Trainer."""
   local = devices.local_devices()
@@ -274,10 +305,7 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
     # An elastic job's size over time (tools.chaos --elastic, launch.local
     # --workers=MIN:MAX): one point per (re)start.
     startup_scalars["workers"] = info.num_workers
-  if config.model_parallel != "none":
-    for device, size in placement.bytes_per_device(model).items():
-      logging.info("variable bytes on %s: %d", device, size)
-      startup_scalars[f"variable_bytes/{device}"] = size
+  startup_scalars.update(_memory_per_device(model, optimizer, strategy))
 
   def after_restore():
     # PowerSGD's error buffers belong to the run that wrote the checkpoint.

@@ -155,14 +155,6 @@ def table(plan: PlacementPlan, blocks: Dict[str, keras.layers.Layer]):
   return lines
 
 
-def bytes_per_device(model) -> Dict[str, int]:
-  """Variable bytes by the device that holds them."""
-  def device(weight):
-    spec = tf.DeviceSpec.from_string(weight.value.device)
-    return f"{spec.device_type}:{spec.device_index}"
-  return devices_lib.bytes_by(model.weights, device)
-
-
 def build_blocks(blocks, example, plan=None):
   """Creates every block's variables on its stage's device (or wherever
   TF puts them when there is no plan), in block order, by running

@@ -20,6 +20,7 @@ from absl import app
 from absl import flags
 
 from . import inprocess
+from tfdist import devices
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("rounds", 3, "Interleaved rounds.")
@@ -42,14 +43,14 @@ def main(argv):
               batch_size=FLAGS.batch_size, steps_per_loop=FLAGS.steps,
               num_cpu_devices=4, num_microbatches=FLAGS.num_microbatches)
   info = inprocess.start(inprocess.bench_config(**base))
-  from tfdist import placement  # pylint: disable=g-import-not-at-top
 
   runs, device_bytes = {}, {}
   for name, overrides in CONFIGS.items():
     trainer = inprocess.build_trainer(
         inprocess.bench_config(**base, **overrides), info)
     runs[name] = inprocess.train_steps_of(trainer)
-    device_bytes[name] = placement.bytes_per_device(trainer.model)
+    device_bytes[name] = devices.bytes_per_device(
+        trainer.model.weights, info.strategy)
   rates = {name: statistics.median(r) for name, r in
            inprocess.measure(runs, FLAGS.steps, FLAGS.rounds).items()}
   cores = os.cpu_count()
