@@ -1,12 +1,12 @@
-"""Checks tfdist.sharded_optimizer on mirrored(N) against one device and
-prints one line.
+"""Checks tfdist.sharded_optimizer against one device and prints one line.
 
-python tests/sharded_check.py N OPTIMIZER CLIP_NORM
+python tests/sharded_check.py N OPTIMIZER CLIP_NORM   # mirrored, N CPUs
+python tests/sharded_check.py 0 OPTIMIZER CLIP_NORM   # MWMS, TF_CONFIG
 
 The same small model and batches train 8 steps on one device (Keras's own
-apply) and on N logical CPUs with the sharded update; the weights and
-every optimizer slot must agree (rtol 1e-5), while each replica holds
-1/N of the state.
+apply) and with the sharded update on N replicas; the weights, and every
+slot of each shard this process holds, must agree with one device's
+(rtol 1e-5), while each replica holds 1/N of the state.
 """
 
 import sys
@@ -15,9 +15,13 @@ import numpy as np
 import tensorflow as tf
 
 N, OPTIMIZER, CLIP = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    cpu, [tf.config.LogicalDeviceConfiguration()] * N)
+if N:
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  tf.config.set_logical_device_configuration(
+      cpu, [tf.config.LogicalDeviceConfiguration()] * N)
+  STRATEGY = None
+else:  # Before any other op runs.
+  STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
 
 import keras  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -59,10 +63,11 @@ for k in range(STEPS):
     grads, _ = tf.clip_by_global_norm(grads, CLIP)
   optimizer.apply(grads, model.trainable_variables)
 reference = [v.numpy() for v in model.trainable_variables]
-reference_slots = sharded_optimizer._slots(optimizer)  # pylint: disable=protected-access
+reference_slots = sharded_optimizer.slots(optimizer)
 
-strategy = collectives.mirrored_with_collectives(
+strategy = STRATEGY or collectives.mirrored_with_collectives(
     [f"/cpu:{i}" for i in range(N)])
+N = strategy.num_replicas_in_sync
 with strategy.scope():
   sharded_model = make_model()
 update = sharded_optimizer.ShardedUpdate(
@@ -91,10 +96,16 @@ for got, want in zip(sharded_model.trainable_variables, reference):
   np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
 slots_per_variable = len(reference_slots) // len(reference)
 for index in range(slots_per_variable):
-  for got, want in zip(update.slot(index),
-                       reference_slots[index::slots_per_variable]):
-    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-7)
-state = sum(v.numpy().nbytes for v in sharded_optimizer._slots(  # pylint: disable=protected-access
+  # Keras keeps each variable's slots together: [m0, v0, m1, v1, ...].
+  flat_slot = np.concatenate([s.numpy().ravel() for s in
+                              reference_slots[index::slots_per_variable]])
+  flat_slot = np.pad(flat_slot, [0, update.shard_size * N - flat_slot.size])
+  for rank, shard_optimizer in zip(update.ranks(), update.optimizers):
+    np.testing.assert_allclose(
+        sharded_optimizer.slots(shard_optimizer)[index].numpy(),
+        flat_slot[rank * update.shard_size:][:update.shard_size],
+        rtol=1e-5, atol=1e-7)
+state = sum(v.numpy().nbytes for v in sharded_optimizer.slots(
     update.optimizers[0]))
 whole = sum(v.numpy().nbytes for v in reference_slots)
 print(f"sharded ok: {N} replicas, {OPTIMIZER}, clip {CLIP:g}, "

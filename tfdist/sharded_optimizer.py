@@ -29,7 +29,7 @@ import tensorflow as tf
 from tfdist import collectives
 
 
-def _slots(optimizer):
+def slots(optimizer):
   """The optimizer's state variables besides its step count and rate."""
   skip = {optimizer.iterations.path}
   rate = getattr(optimizer, "_learning_rate", None)
@@ -128,19 +128,8 @@ class ShardedUpdate:
     return norm
 
   def ranks(self):
-    """The shard each local replica holds, as Python ints."""
+    """The shard each local replica holds (the order of self.optimizers
+    and self.shards), as Python ints."""
     per_replica = self._strategy.run(tf.function(self._collectives.rank))
     return [int(r) for r in
             self._strategy.experimental_local_results(per_replica)]
-
-  def slot(self, index):
-    """Slot `index` of the optimizers (0: Adam's momentum, 1: its
-    velocity; 0: SGD's momentum) for every variable, gathered from this
-    process's shards: the whole state when one process holds every
-    replica (mirrored). A list of arrays shaped as the variables."""
-    by_rank = dict(zip(self.ranks(), self.optimizers))
-    slots = [_slots(by_rank[r])[index].numpy() for r in sorted(by_rank)]
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    flat = np.concatenate(slots)[:sum(self._sizes)]
-    pieces = np.split(flat, np.cumsum(self._sizes)[:-1])
-    return [p.reshape(v.shape) for p, v in zip(pieces, self._variables)]
