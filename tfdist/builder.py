@@ -5,6 +5,7 @@ compiled loops and their runner, the checkpoint store, the summaries and
 the export: made here, then handed to tfdist.trainer.Trainer.
 """
 
+import contextlib
 import functools
 
 from absl import logging
@@ -26,6 +27,7 @@ from tfdist import placement
 from tfdist import preflight
 from tfdist import replica_check
 from tfdist import runners
+from tfdist import sharded_optimizer
 from tfdist import storage
 from tfdist import summaries as summaries_lib
 from tfdist import task as task_lib
@@ -213,12 +215,14 @@ def resolve_callbacks(config, given=None):
   return callbacks_lib.check(found)
 
 
-def _memory_per_device(model, optimizer, strategy):
+def _memory_per_device(model, optimizer, strategy, shard_optimizers=()):
   """Logs the bytes of the variables and of the optimizer state on each
   device (a mirrored copy counts on each replica's device); returns them
   as startup scalars variable_bytes/<device>, optimizer_bytes/<device>."""
   weights = devices.bytes_per_device(model.weights, strategy)
-  state = devices.bytes_per_device(optimizer.variables, strategy)
+  state = devices.bytes_per_device(
+      [*optimizer.variables,
+       *(v for o in shard_optimizers for v in o.variables)], strategy)
   trainable = sum(devices.variable_bytes(w) for w in model.trainable_weights)
   held = {d: (weights.get(d, 0), state.get(d, 0))
           for d in sorted(set(weights) | set(state))}
@@ -266,10 +270,21 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
     optimizer = optimizers.create(
         config.optimizer, schedule=schedule, weight_decay=config.weight_decay,
         mixed_precision=config.mixed_precision, ema_decay=config.ema_decay)
-    optimizer.build(model.trainable_variables)
+    if not config.shard_optimizer:
+      # Sharded, it stays unbuilt: the replicas' shard optimizers hold the
+      # state, and it keeps the run's rate and step count.
+      optimizer.build(model.trainable_variables)
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                               name="global_step")
     reducer = compression.create(config, model.trainable_variables)
+  sharded = None
+  if config.shard_optimizer:
+    sharded = sharded_optimizer.ShardedUpdate(
+        strategy=strategy, variables=model.trainable_variables,
+        optimizer=optimizer, clip_norm=config.clip_norm,
+        make_optimizer=functools.partial(
+            optimizers.create, config.optimizer, schedule=schedule,
+            weight_decay=config.weight_decay))
   if config.allreduce_compression != "none" and info.num_replicas > 1:
     logging.info("%s.", reducer.describe())
   example = check_model_fits_data(task, model, sample)
@@ -282,12 +297,16 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
       metrics=metrics, global_batch_size=config.batch_size,
       steps_per_loop=config.steps_per_loop, global_step=global_step,
       grad_accum_steps=config.grad_accum_steps, clip_norm=config.clip_norm,
-      reducer=reducer, class_weight=class_weight,
+      reducer=reducer, class_weight=class_weight, sharded=sharded,
       jit_compile=preflight.jit_mode(config, info, local))
   runner = runners.create(info, loops, train_feed=config.train_feed)
   store = checkpoints.CheckpointStore(
-      checkpoint=tf.train.Checkpoint(model=model, optimizer=optimizer,
-                                     step=global_step),
+      checkpoint=tf.train.Checkpoint(
+          model=model, step=global_step,
+          optimizer=sharded.checkpoint_view(
+              optimizer, model.trainable_variables) if sharded
+          else optimizer),
+      saving=sharded.saving if sharded else contextlib.nullcontext,
       model_dir=config.model_dir, write_dir=write_dir,
       keep=config.keep_checkpoints,
       signature=checkpoints.model_signature(
@@ -305,7 +324,9 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
     # An elastic job's size over time (tools.chaos --elastic, launch.local
     # --workers=MIN:MAX): one point per (re)start.
     startup_scalars["workers"] = info.num_workers
-  startup_scalars.update(_memory_per_device(model, optimizer, strategy))
+  startup_scalars.update(_memory_per_device(
+      model, optimizer, strategy,
+      shard_optimizers=sharded.optimizers if sharded else ()))
 
   def after_restore():
     # PowerSGD's error buffers belong to the run that wrote the checkpoint.
@@ -316,6 +337,8 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
     # wins. A schedule is a function of the restored step.
     if schedule["schedule"] == "constant" and not schedule["warmup_steps"]:
       optimizer.learning_rate.assign(config.learning_rate)
+    if sharded:
+      sharded.scatter_restored()
 
   def export_now(best=False):
     if not config.export:

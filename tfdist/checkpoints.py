@@ -1,6 +1,7 @@
 """Checkpoints in model_dir: resume, fall back past corrupt ones, never
 overwrite a checkpoint of a different model."""
 
+import contextlib
 import json
 
 from absl import logging
@@ -45,8 +46,11 @@ class CheckpointStore:
   """Wraps tf.train.CheckpointManager for one model_dir."""
 
   def __init__(self, *, checkpoint, model_dir, write_dir, keep, signature,
-               run_record=None):
+               run_record=None, saving=contextlib.nullcontext):
+    """`saving()`: a context around each save (a sharded optimizer
+    gathers its state in it)."""
     self._checkpoint = checkpoint
+    self._saving = saving
     self._model_dir = model_dir
     self._signature = signature
     self._run_record = run_record
@@ -126,7 +130,8 @@ class CheckpointStore:
     the temp directory is removed and the previous checkpoint stays latest.
     """
     try:
-      path = self._manager.save(checkpoint_number=step)
+      with self._saving():
+        path = self._manager.save(checkpoint_number=step)
     except (tf.errors.OpError, OSError) as e:
       storage.remove_tree(storage.join(self._write_dir, f"ckpt-{step}_temp"))
       reason = getattr(e, "message", None) or str(e)

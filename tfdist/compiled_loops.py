@@ -126,9 +126,12 @@ class LoopFunctions:
   def __init__(self, *, strategy, model, optimizer, task, metrics,
                global_batch_size, steps_per_loop, global_step,
                grad_accum_steps=1, clip_norm=0.0, reducer=None,
-               jit_compile="none", class_weight=None):
+               jit_compile="none", class_weight=None, sharded=None):
     """`class_weight`: {class: weight} for integer labels, as Keras `fit`
-    has it (training only; classes not in it weigh 1)."""
+    has it (training only; classes not in it weigh 1). `sharded`: a
+    sharded_optimizer.ShardedUpdate, which then reduces, clips and applies
+    the gradients in place of the reducer and the optimizer."""
+    self._sharded = sharded
     self._strategy = strategy
     self._model = model
     self._optimizer = optimizer
@@ -245,11 +248,14 @@ class LoopFunctions:
     else:
       loss, grads, metric_states = self._gradients(features, labels,
                                                    weights, state.metrics)
-    grads = self.reducer.reduce(grads, compressed)
-    if self._clip_norm:
-      grads, _ = tf.clip_by_global_norm(grads, self._clip_norm)
-    self._optimizer.apply_gradients(
-        zip(grads, self._model.trainable_variables))
+    if self._sharded:
+      self._sharded.apply(grads)
+    else:
+      grads = self.reducer.reduce(grads, compressed)
+      if self._clip_norm:
+        grads, _ = tf.clip_by_global_norm(grads, self._clip_norm)
+      self._optimizer.apply_gradients(
+          zip(grads, self._model.trainable_variables))
     first = tf.where((state.first_nonfinite < 0) &
                      tf.logical_not(tf.math.is_finite(loss)),
                      index, state.first_nonfinite)

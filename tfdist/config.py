@@ -79,6 +79,25 @@ def _validate(config):
                       "put Inf into them for good; use mixed_bfloat16 or no "
                       "mixed precision. Received: allreduce_compression="
                       "powersgd with mixed_precision=mixed_float16")
+  if config.shard_optimizer:
+    refused = {"ema_decay": config.ema_decay,
+               "mixed_precision": config.mixed_precision == "mixed_float16"
+               and "mixed_float16",
+               "allreduce_compression": config.allreduce_compression
+               != "none" and config.allreduce_compression,
+               "allreduce_dtype": config.allreduce_dtype != "float32"
+               and config.allreduce_dtype,
+               "jit_compile": config.jit_compile,
+               "model_parallel": config.model_parallel != "none"
+               and config.model_parallel}
+    given = {k: v for k, v in refused.items() if v}
+    if given:
+      raise ConfigError(
+          "--shard_optimizer updates flat float32 shards of the weights "
+          "and sends them itself; it does not work with --ema_decay, "
+          "mixed_float16's loss scaling, a compressed or cast all-reduce, "
+          "--jit_compile or --model_parallel yet. Received: "
+          + ", ".join(f"{k}={v}" for k, v in given.items()))
   if config.clip_norm and config.mixed_precision == "mixed_float16":
     raise ConfigError("--clip_norm would clip loss-scaled float16 "
                       "gradients; use mixed_bfloat16 or no clipping. "

@@ -198,6 +198,11 @@ OPTIONS = (
     _o("grad_accum_steps", 1, "Run each replica's batch as K micro-batches "
        "and sum their gradients before the one update.", "optimization",
        above=0),
+    _o("shard_optimizer", False, "ZeRO stage 1: each replica keeps the "
+       "optimizer state of 1/N of the weights (a reduce-scatter, the "
+       "update of one shard, an all-gather; the bytes of one all-reduce). "
+       "Checkpoints hold the whole state. mirrored and "
+       "multi_worker_mirrored.", "optimization"),
     _o("batch_size", 64, "GLOBAL batch size of one update (all replicas).",
        "optimization", above=0),
     # loop

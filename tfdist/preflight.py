@@ -56,6 +56,12 @@ def check_run(config, info, local_devices):
         "the forward pass with XLA, which has no CPU collectives. Received: "
         f"sync_batchnorm=True with strategy={info.name}"
         + (", jit_compile=True" if mode == "forward" else ""))
+  if config.shard_optimizer and info.name not in ("mirrored",
+                                                  "multi_worker_mirrored"):
+    raise ConfigError(
+        "--shard_optimizer splits the optimizer state over synchronous "
+        "replicas: --strategy=mirrored or multi_worker_mirrored. Received: "
+        f"strategy={info.name}")
   if config.check_replicas_every and info.coordinator:
     raise ConfigError(
         "--check_replicas_every compares replicas' copies of the weights; "

@@ -17,13 +17,16 @@ element-wise, so a flat shard is updated exactly as the same elements of
 the whole variables would be. The wire carries the bytes of one ring
 all-reduce (tools.bench_shard_wire).
 
-This is the update only: the CLI flag, the checkpoint layout (the whole
-state, gathered on save and split on restore) and the multi-worker case
-are not wired in yet.
+Checkpoints hold the whole state, laid out as an unsharded run's Keras
+optimizer lays it out (`checkpoint_view`): gathered before each save
+(`saving`), split again after a restore (`scatter_restored`). So a sharded
+run resumes on another N, or unsharded, and back.
 """
 
+import contextlib
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist import collectives
@@ -38,14 +41,34 @@ def slots(optimizer):
   return [v for v in optimizer.variables if v.path not in skip]
 
 
+class _SlotView(tf.__internal__.tracking.Trackable):
+  """Slot `slot` of variable `variable`, whole, under the checkpoint key
+  an unsharded run's optimizer gives it."""
+
+  def __init__(self, owner, variable, slot):
+    self._owner, self._variable, self._slot = owner, variable, slot
+
+  def _serialize_to_tensors(self):
+    return {"VARIABLE_VALUE": self._owner.whole_slot(self._variable,
+                                                     self._slot)}
+
+  def _restore_from_tensors(self, restored_tensors):
+    self._owner.restored[(self._variable, self._slot)] = (
+        restored_tensors["VARIABLE_VALUE"])
+    return tf.no_op()
+
+
 class ShardedUpdate:
   """The sharded optimizer update of `variables` (a model's trainable
-  variables, created under `strategy`). `make_optimizer()` gives a fresh,
-  unbuilt Keras optimizer: one per local replica, each built on that
-  replica's shard. Build this outside `strategy.scope()`: the shards are
-  one variable per device, not mirrored ones."""
+  variables, created under `strategy`). `optimizer` is the run's Keras
+  optimizer, never built: its learning rate, weight decay and step count
+  are the run's (callbacks may change the rate). `make_optimizer()` gives
+  a fresh, unbuilt optimizer of the same kind: one per local replica, each
+  built on that replica's shard. Build this outside `strategy.scope()`:
+  the shards are one variable per device, not mirrored ones."""
 
-  def __init__(self, *, strategy, variables, make_optimizer, clip_norm=0.0):
+  def __init__(self, *, strategy, variables, make_optimizer, clip_norm=0.0,
+               optimizer=None):
     if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
       raise RuntimeError("ShardedUpdate must be built outside the "
                          "strategy's scope: its shards are per device.")
@@ -55,6 +78,9 @@ class ShardedUpdate:
     self._collectives = collectives.ShardCollectives(
         strategy, length=sum(self._sizes))
     self._clip_norm = clip_norm
+    self._optimizer = optimizer
+    self._gathered = None  # {(variable, slot): array} while saving.
+    self.restored = {}  # {(variable, slot): tensor} from a restore.
     self.shards = []  # One flat weight shard per local replica.
     self.optimizers = []
     for device in strategy.extended.worker_devices:
@@ -111,11 +137,14 @@ class ShardedUpdate:
     # tfdist excludes no variable), the update, the step count. Its own
     # apply() would merge_call across the replicas, whose optimizers
     # differ here.
-    rate = tf.cast(optimizer.learning_rate, shard.dtype)
-    if optimizer.weight_decay:
-      shard.assign(shard - shard * optimizer.weight_decay * rate)
+    run = self._optimizer or optimizer
+    rate = tf.cast(run.learning_rate, shard.dtype)
+    if run.weight_decay:
+      shard.assign(shard - shard * run.weight_decay * rate)
     optimizer.update_step(summed, shard, rate)
     optimizer.iterations.assign_add(1)
+    if self._optimizer is not None:
+      self._optimizer.iterations.assign_add(1)
     new = self._unflat(shards.all_gather(shard.read_value()))
 
     def assign(strategy, values):
@@ -133,3 +162,85 @@ class ShardedUpdate:
     per_replica = self._strategy.run(tf.function(self._collectives.rank))
     return [int(r) for r in
             self._strategy.experimental_local_results(per_replica)]
+
+  # Checkpoints -------------------------------------------------------------
+
+  def _slot_count(self):
+    return len(slots(self.optimizers[0]))
+
+  def checkpoint_view(self, optimizer, variables):
+    """What goes into the checkpoint as `optimizer`: the children an
+    unsharded run's Keras optimizer has (its step count, its rate when it
+    is a variable, `variables`, and the slots of each variable in turn),
+    with each slot whole."""
+    view = tf.__internal__.tracking.AutoTrackable()
+    view._iterations = optimizer.iterations  # pylint: disable=protected-access
+    kept = [optimizer.iterations]
+    rate = getattr(optimizer, "_learning_rate", None)
+    if hasattr(rate, "assign"):
+      view._learning_rate = rate  # pylint: disable=protected-access
+      kept.append(rate)
+    view._trainable_variables = list(variables)  # pylint: disable=protected-access
+    view._variables = kept + [  # pylint: disable=protected-access
+        _SlotView(self, v, k) for v in range(len(self._variables))
+        for k in range(self._slot_count())]
+    return view
+
+  def whole_slot(self, variable, slot):
+    """The whole value of one slot while saving; zeros otherwise (a
+    restore only asks for the shape and dtype)."""
+    if self._gathered is not None:
+      return tf.convert_to_tensor(self._gathered[(variable, slot)])
+    return tf.zeros(self._variables[variable].shape, tf.float32)
+
+  def _gather_slots(self):
+    """Every slot kind, whole and flat, on every replica: one all-gather
+    per kind (the other workers' shards are theirs)."""
+    count = self._slot_count()
+
+    @tf.function
+    def gather():
+      def replica_fn():
+        context = tf.distribute.get_replica_context()
+        local = context._replica_id_in_sync_group % len(self.shards)  # pylint: disable=protected-access
+        mine = slots(self.optimizers[local])
+        return [self._collectives.all_gather(mine[k].value)
+                for k in range(count)]
+      return self._strategy.experimental_local_results(
+          self._strategy.run(replica_fn))[0]
+
+    return [t.numpy() for t in gather()] if count else []
+
+  @contextlib.contextmanager
+  def saving(self):
+    """Around a checkpoint save (every worker saves together): the whole
+    slots are gathered first."""
+    flats = self._gather_slots()
+    ends = np.cumsum(self._sizes)[:-1]
+    self._gathered = {}
+    for k, flat in enumerate(flats):
+      for v, piece in enumerate(np.split(flat, ends)):
+        self._gathered[(v, k)] = piece.reshape(self._variables[v].shape)
+    try:
+      yield
+    finally:
+      self._gathered = None
+
+  def scatter_restored(self):
+    """After a restore: each local shard takes its slice of the restored
+    whole slots, and every shard optimizer the run's step count."""
+    count = self._slot_count()
+    if self.restored:
+      for k in range(count):
+        flat = np.concatenate([
+            np.asarray(self.restored[(v, k)]).reshape(-1)
+            for v in range(len(self._variables))])
+        flat = np.pad(flat, [0, self.shard_size * self.num_shards -
+                             flat.size])
+        for rank, optimizer in zip(self.ranks(), self.optimizers):
+          slots(optimizer)[k].assign(
+              flat[rank * self.shard_size:][:self.shard_size])
+      self.restored = {}
+    if self._optimizer is not None:
+      for optimizer in self.optimizers:
+        optimizer.iterations.assign(self._optimizer.iterations.value)

@@ -171,6 +171,11 @@ def _one_device(config, task):
 def _mirrored(config, task):
   del task
   import tensorflow as tf
+  if config.shard_optimizer:
+    # The sharded update's collectives need TF's collective all-reduce.
+    from tfdist import collectives  # pylint: disable=g-import-not-at-top
+    return collectives.mirrored_with_collectives(
+        _mirrored_devices(config.num_replicas)), {}
   return tf.distribute.MirroredStrategy(
       _mirrored_devices(config.num_replicas)), {}
 

@@ -1,0 +1,110 @@
+"""--shard_optimizer (ZeRO stage 1) through the CLI: real runs, compared
+through their checkpoints with the default strategy's run.
+
+A sharded run's checkpoint has the keys and values of an unsharded one:
+the weights and every optimizer slot, whole (rtol 1e-5). Each replica
+holds 1/N of the state (TensorBoard's optimizer_bytes/<device>), and a run
+resumes across replica counts, sharded or not, with the weights of the
+uninterrupted run.
+"""
+
+import numpy as np
+import pytest
+
+import artifacts
+from conftest import run_cli
+from conftest import run_launcher
+
+COMMON = ["--steps_per_loop=5", "--eval_every=0", "--noexport",
+          "--batch_size=64"]
+OPTIMIZERS = {"adam": ["--optimizer=adam"],
+              "momentum": ["--optimizer=momentum", "--learning_rate=0.05"]}
+
+
+def _train(model_dir, data_dir, steps, *extra):
+  return run_cli(f"--model_dir={model_dir}", f"--data_dir={data_dir}",
+                 *COMMON, f"--train_steps={steps}", *extra)
+
+
+def _assert_same_checkpoint(ours, reference):
+  a, b = artifacts.model_weights(str(ours)), artifacts.model_weights(
+      str(reference))
+  assert sorted(a) == sorted(b)
+  assert any("_variables/" in k for k in b)  # The slots are compared too.
+  for key in b:
+    np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+
+
+def _slot_bytes(model_dir):
+  weights = artifacts.model_weights(str(model_dir))
+  return sum(v.nbytes for k, v in weights.items()
+             if k.startswith("optimizer/_variables/"))
+
+
+@pytest.mark.parametrize("replicas,optimizer", [(2, "adam"),
+                                                (4, "momentum")])
+def test_mirrored_sharded_run_keeps_one_devices_weights_and_slots(
+    tmp_path, data_dir, replicas, optimizer):
+  _train(tmp_path / "one", data_dir, 20, *OPTIMIZERS[optimizer])
+  proc = _train(tmp_path / "sharded", data_dir, 20, *OPTIMIZERS[optimizer],
+                "--strategy=mirrored", f"--num_cpu_devices={replicas}",
+                "--shard_optimizer")
+  _assert_same_checkpoint(tmp_path / "sharded", tmp_path / "one")
+  whole = _slot_bytes(tmp_path / "one")
+  for device in range(replicas):
+    [(_, held)] = artifacts.scalars(str(tmp_path / "sharded" / "train"),
+                                    f"optimizer_bytes/CPU:{device}")
+    # 1/N of the slots (padding below N elements), plus the step count
+    # and the rate the run's own optimizer keeps.
+    assert whole / replicas <= held < whole / replicas + 64 + 4 * replicas
+  slots = 2 if optimizer == "adam" else 1
+  assert (f"(optimizer state {slots / replicas:.1f}x the trainable "
+          "weights)") in proc.stderr
+
+
+def test_two_workers_sharded_keep_one_devices_weights_and_slots(
+    tmp_path, data_dir):
+  _train(tmp_path / "one", data_dir, 20, *OPTIMIZERS["momentum"])
+  proc = run_launcher(
+      ["--workers=2", "--isolate=off"],
+      [f"--model_dir={tmp_path / 'sharded'}", f"--data_dir={data_dir}",
+       *COMMON, "--train_steps=20", *OPTIMIZERS["momentum"],
+       "--strategy=multi_worker_mirrored", "--shard_optimizer"])
+  assert "optimizer state 0.5x the trainable weights" in proc.stdout
+  _assert_same_checkpoint(tmp_path / "sharded", tmp_path / "one")
+
+
+def test_resume_sharded_unsharded_sharded_across_replica_counts(
+    tmp_path, data_dir):
+  _train(tmp_path / "straight", data_dir, 30)
+  chain = tmp_path / "chain"
+  _train(chain, data_dir, 10, "--strategy=mirrored", "--num_cpu_devices=2",
+         "--shard_optimizer")
+  _train(chain, data_dir, 20)
+  last = _train(chain, data_dir, 30, "--strategy=mirrored",
+                "--num_cpu_devices=4", "--shard_optimizer")
+  assert "Resumed from" in last.stderr and "at step 20" in last.stderr
+  _assert_same_checkpoint(chain, tmp_path / "straight")
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--strategy=default"],
+     "--shard_optimizer splits the optimizer state over synchronous "
+     "replicas: --strategy=mirrored or multi_worker_mirrored. Received: "
+     "strategy=default"),
+    (["--strategy=mirrored", "--ema_decay=0.9"],
+     "Received: ema_decay=0.9"),
+    (["--strategy=mirrored", "--allreduce_compression=powersgd"],
+     "Received: allreduce_compression=powersgd"),
+])
+def test_what_sharding_cannot_do_is_one_line(tmp_path, data_dir, extra,
+                                             message):
+  proc = run_cli(f"--model_dir={tmp_path / 'run'}", f"--data_dir={data_dir}",
+                 "--shard_optimizer", *extra, check=False)
+  assert proc.returncode != 0
+  errors = [l for l in proc.stderr.splitlines() if "tfdist: error:" in l]
+  assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
+  assert not (tmp_path / "run").exists() or not any(
+      (tmp_path / "run").iterdir())
