@@ -270,7 +270,8 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
     optimizer = optimizers.create(
         config.optimizer, schedule=schedule, weight_decay=config.weight_decay,
         mixed_precision=config.mixed_precision, ema_decay=config.ema_decay)
-    if not config.shard_optimizer:
+    shard = preflight.shards_optimizer(config, info)
+    if not shard:
       # Sharded, it stays unbuilt: the replicas' shard optimizers hold the
       # state, and it keeps the run's rate and step count.
       optimizer.build(model.trainable_variables)
@@ -278,7 +279,7 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
                               name="global_step")
     reducer = compression.create(config, model.trainable_variables)
   sharded = None
-  if config.shard_optimizer:
+  if shard:
     sharded = sharded_optimizer.ShardedUpdate(
         strategy=strategy, variables=model.trainable_variables,
         optimizer=optimizer, clip_norm=config.clip_norm,

@@ -37,6 +37,12 @@ def jit_mode(config, info, local_devices):
   return "forward"
 
 
+def shards_optimizer(config, info):
+  """Whether this process's update is sharded (--shard_optimizer): a
+  sidecar evaluator trains nothing, so it never is."""
+  return config.shard_optimizer and info.reason != "sidecar evaluator"
+
+
 def check_run(config, info, local_devices):
   """Every check of the flags against this strategy and these devices."""
   check_batch_size(config.batch_size, info.num_replicas)
@@ -56,8 +62,8 @@ def check_run(config, info, local_devices):
         "the forward pass with XLA, which has no CPU collectives. Received: "
         f"sync_batchnorm=True with strategy={info.name}"
         + (", jit_compile=True" if mode == "forward" else ""))
-  if config.shard_optimizer and info.name not in ("mirrored",
-                                                  "multi_worker_mirrored"):
+  if shards_optimizer(config, info) and info.name not in (
+      "mirrored", "multi_worker_mirrored"):
     raise ConfigError(
         "--shard_optimizer splits the optimizer state over synchronous "
         "replicas: --strategy=mirrored or multi_worker_mirrored. Received: "
