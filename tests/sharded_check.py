@@ -81,8 +81,8 @@ def step(x, y):
     with tf.GradientTape() as tape:
       loss = tf.nn.compute_average_loss(loss_fn(y, sharded_model(x)),
                                         global_batch_size=BATCH)
-    return update.apply(tape.gradient(
-        loss, sharded_model.trainable_variables))
+    update.apply(tape.gradient(loss, sharded_model.trainable_variables))
+    return loss
   share = BATCH // N
   inputs = strategy.experimental_distribute_values_from_function(
       lambda c: (x[c.replica_id_in_sync_group * share:][:share],

@@ -91,6 +91,9 @@ class ShardedUpdate:
         optimizer.build([shard])
       self.shards.append(shard)
       self.optimizers.append(optimizer)
+    # Which shard each local replica holds: fixed for the strategy's life,
+    # so asked once here (every worker builds this at the same point).
+    self._ranks = self.ranks()
 
   @property
   def shard_size(self):
@@ -109,8 +112,7 @@ class ShardedUpdate:
 
   def apply(self, grads):
     """Applies this replica's `grads` (one per variable, not summed over
-    the replicas) in a replica context; returns the global norm of the
-    summed gradient."""
+    the replicas) in a replica context."""
     missing = [v.path for v, g in zip(self._variables, grads) if g is None]
     if missing:
       # Keras skips a variable without a gradient; in a flat shard a zero
@@ -122,12 +124,13 @@ class ShardedUpdate:
     shards = self._collectives
     summed = shards.reduce_scatter(self._flat(
         [tf.convert_to_tensor(g) for g in grads]))
-    norm = tf.sqrt(context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                      tf.reduce_sum(tf.square(summed))))
     if self._clip_norm:
-      # As tf.clip_by_global_norm, on the summed gradient.
+      # As tf.clip_by_global_norm, on the summed gradient: the shards'
+      # squared norms add up to the whole's.
+      norm = tf.sqrt(context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                        tf.reduce_sum(tf.square(summed))))
       summed *= self._clip_norm / tf.maximum(norm, self._clip_norm)
-    rank = shards.rank()
+    rank = self._ranks[local]
     weights = tf.pad(self._flat([v.value for v in self._variables]),
                      [[0, shards.shard_size * shards.num_shards -
                        shards.length]])
@@ -154,7 +157,6 @@ class ShardedUpdate:
             lambda v, x: v.assign(x), args=(value,), group=False)
 
     context.merge_call(assign, args=(new,))
-    return norm
 
   def ranks(self):
     """The shard each local replica holds (the order of self.optimizers
@@ -237,7 +239,7 @@ class ShardedUpdate:
             for v in range(len(self._variables))])
         flat = np.pad(flat, [0, self.shard_size * self.num_shards -
                              flat.size])
-        for rank, optimizer in zip(self.ranks(), self.optimizers):
+        for rank, optimizer in zip(self._ranks, self.optimizers):
           slots(optimizer)[k].assign(
               flat[rank * self.shard_size:][:self.shard_size])
       self.restored = {}
