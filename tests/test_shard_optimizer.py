@@ -9,11 +9,14 @@ uninterrupted run.
 """
 
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import artifacts
+from conftest import ROOT
 from conftest import run_cli
 from conftest import run_launcher
 
@@ -28,9 +31,18 @@ def _train(model_dir, data_dir, steps, *extra):
                  *COMMON, f"--train_steps={steps}", *extra)
 
 
+def _checkpoint_values(model_dir):
+  """{key: array} of the latest checkpoint, bookkeeping aside."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(
+      str(model_dir)))
+  return {key: reader.get_tensor(key)
+          for key in reader.get_variable_to_shape_map()
+          if not key.startswith(("_CHECKPOINTABLE", "save_counter"))}
+
+
 def _assert_same_checkpoint(ours, reference):
-  a, b = artifacts.model_weights(str(ours)), artifacts.model_weights(
-      str(reference))
+  a, b = _checkpoint_values(ours), _checkpoint_values(reference)
   assert sorted(a) == sorted(b)
   assert any("_variables/" in k for k in b)  # The slots are compared too.
   for key in b:
@@ -111,3 +123,26 @@ def test_what_sharding_cannot_do_is_one_line(tmp_path, data_dir, extra,
   assert "Traceback" not in proc.stderr
   assert not (tmp_path / "run").exists() or not any(
       (tmp_path / "run").iterdir())
+
+
+_UNREACHED = """
+import sys
+sys.path.insert(0, "tests")
+from test_off_path import _UnusedBranchTask
+import tfdist
+tfdist.train(_UnusedBranchTask.make(), model_dir=sys.argv[1], train_steps=20,
+             batch_size=32, eval_every=0, export=False, optimizer="adamw",
+             weight_decay=0.1, learning_rate=0.1, **eval(sys.argv[2]))
+"""
+
+
+def test_a_variable_the_loss_never_reaches_keeps_its_weights(tmp_path):
+  # As Keras skips it: its weights stay (AdamW's decay would move them)
+  # and its slots stay zero. A subprocess each: the logical CPUs are
+  # fixed at start-up.
+  for name, kwargs in (("one", "{}"), ("sharded", "dict(strategy="
+                       "'mirrored', num_cpu_devices=2, shard_optimizer=True)")):
+    subprocess.run([sys.executable, "-c", _UNREACHED, str(tmp_path / name),
+                    kwargs], cwd=ROOT, check=True, capture_output=True,
+                   timeout=300)
+  _assert_same_checkpoint(tmp_path / "sharded", tmp_path / "one")

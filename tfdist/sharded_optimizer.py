@@ -41,6 +41,26 @@ def slots(optimizer):
   return [v for v in optimizer.variables if v.path not in skip]
 
 
+def _check_slot_layout(make_optimizer):
+  """The checkpoint view assumes Keras's layout of an optimizer's state:
+  the slots of each variable together, variable after variable. Checked
+  on two stand-ins, so another Keras cannot save a wrong layout silently."""
+  import keras  # pylint: disable=g-import-not-at-top
+  stand_ins = [keras.Variable(tf.zeros([1]), name=f"tfdist_stand_in_{i}")
+               for i in range(2)]
+  template = make_optimizer()
+  template.build(stand_ins)
+  names = [v.path for v in slots(template)]
+  per_variable = len(names) // 2
+  expected = [f"tfdist_stand_in_{i}" for i in range(2)
+              for _ in range(per_variable)]
+  if len(names) % 2 or not all(e in n for e, n in zip(expected, names)):
+    raise RuntimeError(
+        "--shard_optimizer: this Keras lays out the optimizer's slots "
+        f"otherwise ({names}), so the checkpoint of a sharded run would not "
+        "match an unsharded one.")
+
+
 class _SlotView(tf.__internal__.tracking.Trackable):
   """Slot `slot` of variable `variable`, whole, under the checkpoint key
   an unsharded run's optimizer gives it."""
@@ -79,6 +99,7 @@ class ShardedUpdate:
         strategy, length=sum(self._sizes))
     self._clip_norm = clip_norm
     self._optimizer = optimizer
+    _check_slot_layout(make_optimizer)
     self._gathered = None  # {(variable, slot): array} while saving.
     self.restored = {}  # {(variable, slot): tensor} from a restore.
     self.shards = []  # One flat weight shard per local replica.
@@ -113,12 +134,12 @@ class ShardedUpdate:
   def apply(self, grads):
     """Applies this replica's `grads` (one per variable, not summed over
     the replicas) in a replica context."""
-    missing = [v.path for v, g in zip(self._variables, grads) if g is None]
-    if missing:
-      # Keras skips a variable without a gradient; in a flat shard a zero
-      # gradient would still move it (momentum), so say so instead.
-      raise ValueError("the sharded optimizer needs a gradient for every "
-                       f"trainable variable; these get none: {missing}")
+    # Keras skips a variable the loss does not reach. In a static graph it
+    # is never reached: its slots stay zero under zero gradients, so it
+    # only has to keep its weights (weight decay would move them).
+    reached = [g is not None for g in grads]
+    grads = [tf.zeros(v.shape) if g is None else g
+             for v, g in zip(self._variables, grads)]
     context = tf.distribute.get_replica_context()
     local = context._replica_id_in_sync_group % len(self.shards)  # pylint: disable=protected-access
     shards = self._collectives
@@ -151,7 +172,9 @@ class ShardedUpdate:
     new = self._unflat(shards.all_gather(shard.read_value()))
 
     def assign(strategy, values):
-      for variable, value in zip(self._variables, values):
+      for variable, value, update in zip(self._variables, values, reached):
+        if not update:
+          continue
         strategy.extended.update(
             getattr(variable, "value", variable),
             lambda v, x: v.assign(x), args=(value,), group=False)
