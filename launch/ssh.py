@@ -125,8 +125,10 @@ class WorkerHosts:
     return len(hosts)
 
   def drop(self, index):
-    """Worker `index` of the last attempt is dropped: its slot goes."""
-    self._hosts.pop(index)
+    """Worker `index` of the last attempt is dropped: its slot goes
+    (unless a discovery since then has already left it out)."""
+    if index < len(self._hosts):
+      self._hosts.pop(index)
 
   def take(self, count):
     if count > len(self._hosts):
