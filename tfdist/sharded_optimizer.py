@@ -131,6 +131,23 @@ class ShardedUpdate:
     pieces = tf.split(flat, self._sizes)
     return [tf.reshape(p, v.shape) for p, v in zip(pieces, self._variables)]
 
+  def _shard_of(self, tensors, rank):
+    """Elements [rank * S, (rank + 1) * S) of the concatenation of
+    `tensors` (zeros past its end), read from the tensors that overlap
+    them only: the rank is fixed, so the slices are too."""
+    size = self._collectives.shard_size
+    start, end = rank * size, (rank + 1) * size
+    pieces, offset = [], 0
+    for tensor, count in zip(tensors, self._sizes):
+      low, high = max(start, offset), min(end, offset + count)
+      if low < high:
+        pieces.append(tf.reshape(tensor, [-1])[low - offset:high - offset])
+      offset += count
+    covered = max(min(end, offset) - start, 0)
+    if covered < size:
+      pieces.append(tf.zeros([size - covered]))
+    return tf.concat(pieces, axis=0)
+
   def apply(self, grads):
     """Applies this replica's `grads` (one per variable, not summed over
     the replicas) in a replica context."""
@@ -151,12 +168,9 @@ class ShardedUpdate:
       norm = tf.sqrt(context.all_reduce(tf.distribute.ReduceOp.SUM,
                                         tf.reduce_sum(tf.square(summed))))
       summed *= self._clip_norm / tf.maximum(norm, self._clip_norm)
-    rank = self._ranks[local]
-    weights = tf.pad(self._flat([v.value for v in self._variables]),
-                     [[0, shards.shard_size * shards.num_shards -
-                       shards.length]])
     shard, optimizer = self.shards[local], self.optimizers[local]
-    shard.assign(tf.reshape(weights, [shards.num_shards, -1])[rank])
+    shard.assign(self._shard_of([v.value for v in self._variables],
+                                self._ranks[local]))
     # Keras's order in apply(): decoupled weight decay (on every element:
     # tfdist excludes no variable), the update, the step count. Its own
     # apply() would merge_call across the replicas, whose optimizers
