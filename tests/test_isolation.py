@@ -22,7 +22,17 @@ from launch import isolation
 # Kills processes, times out or owns a daemon: run alone (.ci/run).
 pytestmark = pytest.mark.serial
 
-HOST, OUTSIDE = "198.18.7.1", "198.18.7.2"
+
+
+def _addresses(pid):
+  """A /30 of 198.19.0.0/16 of this test's own, so that a veth left by a
+  killed run cannot answer for it."""
+  base = (pid % 16384) * 4
+  return (f"198.19.{base // 256}.{base % 256 + 1}",
+          f"198.19.{base // 256}.{base % 256 + 2}")
+
+
+HOST, OUTSIDE = _addresses(os.getpid())
 
 
 def _ip(*args, netns=None):
@@ -34,7 +44,10 @@ def _ip(*args, netns=None):
 def outside():
   if os.geteuid() != 0 or not shutil.which("ip"):
     pytest.skip("needs root and iproute2 for network namespaces")
-  name = f"tfdist-out-{os.getpid()}"
+  # Named as a launcher's namespace is, so remove_stale deletes it when a
+  # killed run left it behind.
+  isolation.remove_stale()
+  name = f"tfdist-{os.getpid()}-out"
   host_end, far_end = f"tfh{os.getpid() % 100000}", f"tfo{os.getpid() % 100000}"
   subprocess.run(["ip", "netns", "add", name], check=True)
   try:
