@@ -28,7 +28,7 @@ def test_sigkilled_worker_restarts_job_and_finishes(tmp_path, data_dir):
   run = LauncherProcess(
       ["--workers=2", "--max_restarts=2", "--backoff_seconds=0.2",
        "--stop_grace_seconds=3"],
-      _train_args(model_dir, data_dir, "--train_steps=1200",
+      _train_args(model_dir, data_dir, "--train_steps=500",
                   "--checkpoint_every=100"))
   run.wait_for(lambda l: "ckpt-200." in l and l.startswith("worker:0"))
   os.kill(run.pids["worker:1"], signal.SIGKILL)
@@ -38,8 +38,8 @@ def test_sigkilled_worker_restarts_job_and_finishes(tmp_path, data_dir):
   resumed = re.findall(r"worker:0 \| .*Resumed from .*ckpt-(\d+) at step",
                        output)
   assert resumed and int(resumed[0]) >= 200
-  assert "Finished at step 1200/1200" in output
-  assert artifacts.checkpoint_step(model_dir) == 1200
+  assert "Finished at step 500/500" in output
+  assert artifacts.checkpoint_step(model_dir) == 500
 
 
 @pytest.mark.serial
@@ -52,22 +52,22 @@ def test_sigterm_saves_current_step_then_resumes(tmp_path, data_dir,
   run = LauncherProcess(
       ["--workers=2", "--max_restarts=0", "--backoff_seconds=0.2",
        "--stop_grace_seconds=10", "--isolate=off"],
-      _train_args(model_dir, data_dir, "--train_steps=1500",
-                  "--checkpoint_every=1000"),
+      _train_args(model_dir, data_dir, "--train_steps=700",
+                  "--checkpoint_every=500"),
       env={"GCE_METADATA_IP": gce_metadata})
-  run.wait_for(lambda l: "train step 200/1500" in l)
+  run.wait_for(lambda l: "train step 100/700" in l)
   os.kill(run.pids["worker:1"], signal.SIGTERM)
   saved = run.wait_for(lambda l: "preempted (SIGTERM): checkpoint saved at "
                        "step" in l and l.startswith("worker:0"))
   step = int(re.search(r"at step (\d+)", saved).group(1))
-  assert 200 <= step < 1000  # Not a periodic checkpoint: the current step.
+  assert 100 <= step < 500  # Not a periodic checkpoint: the current step.
   assert os.path.exists(os.path.join(model_dir, f"ckpt-{step}.index"))
   code, output = run.finish()
   assert code == 0, output[-3000:]
   assert ("was preempted and saved a checkpoint; resuming the job (a "
           "preemption uses no restart)") in output
   assert f"Resumed from {model_dir}/ckpt-{step} at step {step}" in output
-  assert artifacts.checkpoint_step(model_dir) == 1500
+  assert artifacts.checkpoint_step(model_dir) == 700
 
 
 def test_replica_check_names_the_perturbed_worker(tmp_path, data_dir):

@@ -68,7 +68,7 @@ def test_float32_and_powersgd_bytes_per_step(tmp_path, data_dir):
   proc = subprocess.run(
       _netlab("--workers=2", "--links=1gbit", "--configs=float32,powersgd:4",
               "--model=mlp_wide", "--steps=24", "--log_every=8",
-              "--rounds=2", "--probe_sizes=65536,1048576",
+              "--rounds=1", "--probe_sizes=65536",
               f"--data_dir={data_dir}", f"--json_out={out}"),
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -76,14 +76,13 @@ def test_float32_and_powersgd_bytes_per_step(tmp_path, data_dir):
   assert "latency is queueing only" in proc.stdout
   lab = json.loads(out.read_text())
   float32, powersgd = lab["results"]
+  # One round (how rounds combine is tested on its own below).
   for result in (float32, powersgd):
-    assert len(result["seconds_rounds"]) == 2
-    assert result["seconds_per_step"] == pytest.approx(
-        sum(result["seconds_rounds"]) / 2)  # The median of two.
+    assert result["seconds_rounds"] == [result["seconds_per_step"]]
   # One all-reduce time per size, and the one-core compute time: what
   # tools.scaling fits.
   assert [(p["link"], p["workers"], p["bytes"]) for p in lab["probe"]] == [
-      ("1gbit", 2, 65536), ("1gbit", 2, 1048576)]
+      ("1gbit", 2, 65536)]
   assert all(p["seconds"] > 0 for p in lab["probe"])
   assert [c["batch"] for c in lab["compute"]] == [32]
   elements = sum(math.prod(shape) for shape in MLP_WIDE)

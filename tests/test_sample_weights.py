@@ -99,8 +99,8 @@ def test_eval_weights_of_zero_leave_examples_out(outside):
 
 
 def _eval_labels():
-  from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
-  return load_digits(return_X_y=True)[1][1400:]
+  from tfdist import digits  # pylint: disable=g-import-not-at-top
+  return digits.load()[1][1400:]
 
 
 @pytest.mark.parametrize("case,args,expected", [

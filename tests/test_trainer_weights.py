@@ -104,13 +104,13 @@ _LOSS_TASKS = '''
 import keras
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
-
 import tfdist
+from tfdist import digits
 
 
 def _split():
-  x, y = load_digits(return_X_y=True)
+  x, y = digits.load()
+  x = x.reshape(len(x), -1)
   x = (x / 16.0).astype("float32")
   y = y.astype("int32")
   return (tf.data.Dataset.from_tensor_slices((x[:1400], y[:1400])),

@@ -1,15 +1,15 @@
 """A user's digits classifier with per-example weights, as a user would
-write it: numpy arrays from scikit-learn, (features, labels,
+write it: numpy arrays (scikit-learn's digits), (features, labels,
 sample_weight) datasets. Each Task differs from `Plain` in its weights
 only, so tests compare runs that must end with the same weights.
 """
 
 import keras
 import numpy as np
-from sklearn.datasets import load_digits
 import tensorflow as tf
 
 import tfdist
+from tfdist import digits
 
 NUM_TRAIN = 1400
 # ByClass's per-example weight of each class, and the same as a
@@ -19,7 +19,8 @@ CLASS_WEIGHT_FLAG = ",".join(f"{c}:{w:g}" for c, w in CLASS_WEIGHTS.items())
 
 
 def _arrays():
-  images, labels = load_digits(return_X_y=True)
+  images, labels = digits.load()
+  images = images.reshape(len(images), -1)
   return (images / 16.0).astype(np.float32), labels.astype(np.int32)
 
 

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 
+from . import plotting
+
 
 def parse_args(argv):
   parser = argparse.ArgumentParser(prog="python -m tools.bench_shard_memory")
@@ -62,6 +64,8 @@ def _run(root, data_dir, args, replicas, sharded):
 
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  # Before the runs, so a missing matplotlib costs no minutes.
+  pyplot = plotting.pyplot() if args.plot else None
   rows = []
   with tempfile.TemporaryDirectory(prefix="tfdist-shard-memory-") as root:
     data_dir = os.path.join(root, "data")
@@ -83,9 +87,6 @@ def main(argv=None):
     print(f"| {n} | {plain / 1e6:.2f} | {sharded / 1e6:.2f} | "
           f"{sharded / plain:.3f} | {1 / n:.3f} |")
   if args.plot:
-    import matplotlib  # pylint: disable=g-import-not-at-top
-    matplotlib.use("Agg")
-    from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
     figure, axes = pyplot.subplots(figsize=(5, 3.2))
     counts = [n for n, _, _ in rows]
     axes.plot(counts, [p / 1e6 for _, p, _ in rows], "o-",

@@ -25,7 +25,7 @@ import sys
 
 import portpicker
 
-from tools.bench_allreduce import Namespace
+from .bench_allreduce import Namespace
 
 _MODES = ("all_reduce", "sharded")
 

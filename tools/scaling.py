@@ -37,6 +37,8 @@ import statistics
 import sys
 from typing import Dict, List, Sequence, Tuple
 
+from . import plotting
+
 PHI_TFDIST = 0.0  # The checked lab runs: before overlap.
 RATES_BITS = {"100mbit": 1e8, "200mbit": 2e8, "500mbit": 5e8, "1gbit": 1e9,
               "10gbit": 1e10}
@@ -204,9 +206,7 @@ def check_lab(lab, shapes) -> Tuple[List[Check], dict, dict]:
 
 
 def _plot_checks(checks, path):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = plotting.pyplot()
   fig, ax = plt.subplots(figsize=(5.5, 5))
   for check in checks:
     marker = "s" if check.calibration else "o"
@@ -228,9 +228,7 @@ def _plot_checks(checks, path):
 
 
 def _plot_projection(projections, model, path):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = plotting.pyplot()
   fig, axes = plt.subplots(1, len(projections), figsize=(11, 4.2),
                            sharey=True, squeeze=False)
   for ax, (title, curves) in zip(axes[0], projections.items()):
