@@ -23,7 +23,6 @@ from launch import isolation
 pytestmark = pytest.mark.serial
 
 
-
 def _addresses(pid):
   """A /30 of 198.19.0.0/16 of this test's own, so that a veth left by a
   killed run cannot answer for it."""

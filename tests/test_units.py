@@ -1,6 +1,7 @@
 """In-process unit tests: config validation, auto strategy choice, the
 global-batch invariant of the input pipeline, and the model zoo."""
 
+import os
 import types
 
 import numpy as np
@@ -242,3 +243,39 @@ def test_ssh_worker_hosts_follow_discovery_above_min(tmp_path):
     hosts.take(3)
   offer.write_text("h1 2\n")
   assert hosts.discover() is None and "not host:slots" in said[-1]
+
+
+def test_flat_layout_round_trips_in_tf_and_numpy():
+  from tfdist import flat_layout  # pylint: disable=g-import-not-at-top
+  shapes = [(2, 3), (4,), (), (1, 1, 2)]
+  arrays = [np.arange(np.prod(s), dtype=np.float32).reshape(s) + 10 * i
+            for i, s in enumerate(shapes)]
+  layout = flat_layout.FlatLayout(shapes)
+  assert layout.sizes == [6, 4, 1, 2] and layout.size == 13
+  flat = layout.flatten([tf.constant(a) for a in arrays], tf.float16)
+  assert flat.dtype == tf.float16 and flat.shape == (13,)
+  np.testing.assert_array_equal(flat.numpy().astype(np.float32),
+                                np.concatenate([a.ravel() for a in arrays]))
+  back = layout.unflatten(flat, [tf.float32] * 4)
+  for got, want in zip(back, arrays):
+    assert got.dtype == tf.float32
+    np.testing.assert_array_equal(got.numpy(), want)
+  flat_np = layout.flatten_numpy(arrays)
+  for got, want in zip(layout.unflatten_numpy(flat_np), arrays):
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_plot_without_matplotlib_is_one_line_before_any_run():
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  if importlib.util.find_spec("matplotlib"):
+    pytest.skip("matplotlib is installed (the 'plots' extra)")
+  proc = subprocess.run(
+      [sys.executable, "-m", "tools.bench_shard_memory", "--plot=x.png"],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2
+  assert proc.stderr == ("tfdist: error: plots need matplotlib: pip install "
+                         "-e '.[plots]'\n")

@@ -18,6 +18,7 @@ import math
 
 import tensorflow as tf
 
+from tfdist import flat_layout
 from tfdist import options
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -139,12 +140,9 @@ class PlainReducer:
   def _sum_flat(self, context, tensors):
     """One collective: `tensors` flattened into one vector in the wire
     dtype, summed, and split back into their shapes and dtypes."""
-    flat = tf.concat([tf.reshape(tf.cast(t, self._wire), [-1])
-                      for t in tensors], 0)
-    total = context.all_reduce(SUM, flat)
-    parts = tf.split(total, [t.shape.num_elements() for t in tensors])
-    return [tf.cast(tf.reshape(part, t.shape), t.dtype)
-            for part, t in zip(parts, tensors)]
+    layout = flat_layout.FlatLayout([t.shape for t in tensors])
+    total = context.all_reduce(SUM, layout.flatten(tensors, self._wire))
+    return layout.unflatten(total, [t.dtype for t in tensors])
 
   def reset(self):
     pass

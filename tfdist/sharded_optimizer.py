@@ -24,12 +24,12 @@ run resumes on another N, or unsharded, and back.
 """
 
 import contextlib
-import math
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist import collectives
+from tfdist import flat_layout
 
 
 def slots(optimizer):
@@ -94,9 +94,9 @@ class ShardedUpdate:
                          "strategy's scope: its shards are per device.")
     self._strategy = strategy
     self._variables = list(variables)
-    self._sizes = [math.prod(v.shape) for v in self._variables]
+    self._layout = flat_layout.FlatLayout([v.shape for v in self._variables])
     self._collectives = collectives.ShardCollectives(
-        strategy, length=sum(self._sizes))
+        strategy, length=self._layout.size)
     self._clip_norm = clip_norm
     self._optimizer = optimizer
     _check_slot_layout(make_optimizer)
@@ -124,13 +124,6 @@ class ShardedUpdate:
   def num_shards(self):
     return self._collectives.num_shards
 
-  def _flat(self, tensors):
-    return tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
-
-  def _unflat(self, flat):
-    pieces = tf.split(flat, self._sizes)
-    return [tf.reshape(p, v.shape) for p, v in zip(pieces, self._variables)]
-
   def _shard_of(self, tensors, rank):
     """Elements [rank * S, (rank + 1) * S) of the concatenation of
     `tensors` (zeros past its end), read from the tensors that overlap
@@ -138,7 +131,7 @@ class ShardedUpdate:
     size = self._collectives.shard_size
     start, end = rank * size, (rank + 1) * size
     pieces, offset = [], 0
-    for tensor, count in zip(tensors, self._sizes):
+    for tensor, count in zip(tensors, self._layout.sizes):
       low, high = max(start, offset), min(end, offset + count)
       if low < high:
         pieces.append(tf.reshape(tensor, [-1])[low - offset:high - offset])
@@ -160,7 +153,7 @@ class ShardedUpdate:
     context = tf.distribute.get_replica_context()
     local = context._replica_id_in_sync_group % len(self.shards)  # pylint: disable=protected-access
     shards = self._collectives
-    summed = shards.reduce_scatter(self._flat(
+    summed = shards.reduce_scatter(self._layout.flatten(
         [tf.convert_to_tensor(g) for g in grads]))
     if self._clip_norm:
       # As tf.clip_by_global_norm, on the summed gradient: the shards'
@@ -183,7 +176,7 @@ class ShardedUpdate:
     optimizer.iterations.assign_add(1)
     if self._optimizer is not None:
       self._optimizer.iterations.assign_add(1)
-    new = self._unflat(shards.all_gather(shard.read_value()))
+    new = self._layout.unflatten(shards.all_gather(shard.read_value()))
 
     def assign(strategy, values):
       for variable, value, update in zip(self._variables, values, reached):
@@ -254,12 +247,10 @@ class ShardedUpdate:
   def saving(self):
     """Around a checkpoint save (every worker saves together): the whole
     slots are gathered first."""
-    flats = self._gather_slots()
-    ends = np.cumsum(self._sizes)[:-1]
     self._gathered = {}
-    for k, flat in enumerate(flats):
-      for v, piece in enumerate(np.split(flat, ends)):
-        self._gathered[(v, k)] = piece.reshape(self._variables[v].shape)
+    for k, flat in enumerate(self._gather_slots()):
+      for v, piece in enumerate(self._layout.unflatten_numpy(flat)):
+        self._gathered[(v, k)] = piece
     try:
       yield
     finally:
@@ -271,9 +262,8 @@ class ShardedUpdate:
     count = self._slot_count()
     if self.restored:
       for k in range(count):
-        flat = np.concatenate([
-            np.asarray(self.restored[(v, k)]).reshape(-1)
-            for v in range(len(self._variables))])
+        flat = self._layout.flatten_numpy(
+            [self.restored[(v, k)] for v in range(len(self._variables))])
         flat = np.pad(flat, [0, self.shard_size * self.num_shards -
                              flat.size])
         for rank, optimizer in zip(self._ranks, self.optimizers):
