@@ -160,6 +160,12 @@ def early_stopping():
           keras.callbacks.CSVLogger("{csv}"), Recorder("{record}")]
 
 
+def schedule():
+  # Sets the rate in on_epoch_begin, at the start and after each eval.
+  return [keras.callbacks.LearningRateScheduler(
+      lambda epoch, rate: 0.05 / (epoch + 1))]
+
+
 def plateau():
   return [keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5,
                                             patience=0, min_delta=10.0)]
@@ -274,6 +280,32 @@ def test_reduce_lr_on_plateau_sets_the_rate(tmp_path, data_dir,
   assert len(rates) == 1 and rates[0] == pytest.approx(0.002)
 
 
+def test_a_rate_set_at_epoch_begin_reaches_every_worker(
+    tmp_path, data_dir, callbacks_module):
+  """LearningRateScheduler on 2 MultiWorkerMirrored workers ends with
+  the weights of the default strategy: the chief's rate reaches the other
+  worker at each epoch's start, the first one included."""
+  outside, _, _ = callbacks_module
+  # SGD: Adam's moments would amplify the all-reduce's float rounding.
+  train = ["--train_steps=30", "--eval_every=10", "--optimizer=sgd",
+           "--learning_rate=0.001", "--callbacks=mycallbacks:schedule"]
+  run_cli(*_args(tmp_path / "single", data_dir, *train),
+          env=_with_path(outside))
+  env = {**os.environ, **_with_path(outside)}
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.local", "--workers=2", "--",
+       *_args(tmp_path / "mwms", data_dir, *train,
+              "--strategy=multi_worker_mirrored",
+              "--check_replicas_every=10")],
+      cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  single = artifacts.model_weights(str(tmp_path / "single"))
+  artifacts.assert_weights_close(
+      artifacts.model_weights(str(tmp_path / "mwms")), single, rtol=1e-5)
+  rates = [v for k, v in single.items() if "learning_rate" in k]
+  assert rates == [pytest.approx(0.05 / 3)]  # Epoch 2 began at step 20.
+
+
 def test_a_callback_that_cannot_work_is_one_line(tmp_path, data_dir):
   outside = tmp_path / "user"
   outside.mkdir()
@@ -296,6 +328,32 @@ def test_a_callback_that_cannot_work_is_one_line(tmp_path, data_dir):
 def _best_of(model_dir, metric, mode=max):
   evals = artifacts.scalars(str(model_dir / "eval"), metric)
   return mode(evals, key=lambda point: point[1])
+
+
+def test_best_mode_auto_keeps_the_lowest_error(tmp_path):
+  """mae is an error: auto keeps its smallest eval, not its largest."""
+  model_dir = tmp_path / "run"
+  run_cli(f"--model_dir={model_dir}", "--task=tests.user_regression:"
+          "RegressionTask", "--train_steps=60", "--eval_every=10",
+          "--steps_per_loop=10", "--log_every=10", "--noexport",
+          "--best_metric=mae")
+  kept = json.loads((model_dir / "best_checkpoint" / "best.json")
+                    .read_text())
+  lowest, highest = (_best_of(model_dir, "mae", mode)[0]
+                     for mode in (min, max))
+  assert lowest != highest  # The evals differ, so the check can fail.
+  assert kept["mode"] == "min" and kept["step"] == lowest
+
+
+def test_best_mode_auto_refuses_a_name_it_cannot_place(tmp_path):
+  proc = run_cli(f"--model_dir={tmp_path / 'run'}", "--task=tests."
+                 "user_regression:NamedMetricTask", "--train_steps=10",
+                 "--eval_every=10", "--best_metric=score", check=False)
+  assert proc.returncode != 0
+  assert ("tfdist: error: --best_mode=auto cannot tell whether score is "
+          "better lower or higher") in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("strategy", [[], MIRRORED], ids=["default",

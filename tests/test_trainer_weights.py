@@ -4,6 +4,7 @@ and mirrored; weights checked against each other."""
 
 import os
 
+import numpy as np
 import pytest
 
 import artifacts
@@ -261,3 +262,50 @@ def _mlp_logits(variables, names, images):
     if index < len(kernels) - 1:
       x = np.maximum(x, 0.0)
   return x
+
+
+_SIGTERM_MODULE = '''
+import os
+
+import numpy as np
+import signal
+import keras
+
+
+class SigtermAt(keras.callbacks.Callback):
+  def __init__(self, step):
+    super().__init__()
+    self.step = step
+
+  def on_train_batch_end(self, batch, logs=None):
+    if batch == self.step:  # Carried by the next loop call: the eval's.
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
+def at_10():
+  return [SigtermAt(10)]
+'''
+
+
+def test_a_preemption_during_an_eval_saves_the_trained_weights(
+    tmp_path, data_dir):
+  """SIGTERM agreed by the eval at step 10 of an --ema_decay run: the
+  checkpoint holds the trained weights, not their average (the eval's)."""
+  outside = tmp_path / "user"
+  outside.mkdir()
+  (outside / "preempt.py").write_text(_SIGTERM_MODULE)
+  flags = ["--train_steps=20", "--eval_every=10", "--ema_decay=0.5",
+           "--learning_rate=0.05"]
+  run_cli(*_args(tmp_path / "plain", data_dir, *flags,
+                 "--train_steps=10"))
+  proc = run_cli(*_args(tmp_path / "preempted", data_dir, *flags,
+                        "--callbacks=preempt:at_10"),
+                 env=_with_path(outside), check=False)
+  assert proc.returncode == 42, proc.stderr[-3000:]
+  assert "checkpoint saved at step 10" in proc.stderr
+  assert artifacts.checkpoint_step(str(tmp_path / "preempted")) == 10
+  trained = _trainable(tmp_path / "plain")
+  saved = _trainable(tmp_path / "preempted")
+  for index, weights in trained.items():
+    np.testing.assert_allclose(saved[index], weights, rtol=1e-6,
+                               atol=1e-7, err_msg=str(index))

@@ -68,6 +68,13 @@ class RegressionTask(tfdist.Task):
     return {"value": outputs}
 
 
+class NamedMetricTask(RegressionTask):
+  """An eval metric whose name says nothing of its direction."""
+
+  def metrics(self):
+    return [keras.metrics.MeanAbsoluteError(name="score")]
+
+
 class FullControlTask(RegressionTask):
   """Makes its own per-replica batches; it owns the input guarantees."""
 

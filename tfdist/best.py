@@ -20,13 +20,6 @@ from tfdist.errors import ConfigError
 BEST_EXPORT_DIR = "best_export"
 
 
-def resolve_mode(metric, mode):
-  """auto: min for names with "loss" or "error" in them, else max."""
-  if mode != "auto":
-    return mode
-  return "min" if ("loss" in metric or "error" in metric) else "max"
-
-
 @dataclasses.dataclass(frozen=True)
 class Decision:
   improved: bool

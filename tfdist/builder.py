@@ -21,6 +21,7 @@ from tfdist import config as config_lib
 from tfdist import data
 from tfdist import devices
 from tfdist import ema
+from tfdist import metric_direction
 from tfdist import export
 from tfdist import optimizers
 from tfdist import placement
@@ -367,7 +368,8 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
   if config.best_metric:  # Checks the metric's name in every task.
     tracker = best_lib.BestTracker(
         metric=config.best_metric,
-        mode=best_lib.resolve_mode(config.best_metric, config.best_mode),
+        mode=metric_direction.resolve_mode(config.best_metric,
+                                           config.best_mode),
         patience=config.early_stopping_patience,
         metric_names=("loss", *metrics.names))
   if evaluates_elsewhere and tracker:

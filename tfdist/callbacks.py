@@ -100,6 +100,8 @@ class Callbacks:
     del step
     self._list.on_train_begin()
     self._list.on_epoch_begin(self._epoch)
+    # LearningRateScheduler sets the rate in on_epoch_begin.
+    self._agree()
 
   def call_end(self, step, logs):
     self._list.on_train_batch_end(step, _floats(logs))
@@ -112,9 +114,11 @@ class Callbacks:
                if k != "examples"}}
     self._list.on_epoch_end(self._epoch, logs)
     self._epoch += 1
-    self._agree()
+    # The chief's next epoch begins before the one agreement, so that a
+    # rate set in on_epoch_begin reaches every worker with the stop.
     if not self.stop_training:
       self._list.on_epoch_begin(self._epoch)
+    self._agree()
 
   def train_end(self, logs):
     self._list.on_train_end(_floats(logs))

@@ -8,6 +8,7 @@ import dataclasses
 import re
 import types
 
+from tfdist import metric_direction
 from tfdist import options as options_lib
 from tfdist.errors import ConfigError
 
@@ -72,6 +73,8 @@ def _validate(config):
                       f"metric it watches). Received: early_stopping_"
                       f"patience={config.early_stopping_patience} with no "
                       "best_metric")
+  if config.best_metric:
+    metric_direction.resolve_mode(config.best_metric, config.best_mode)
   if (config.allreduce_compression == "powersgd"
       and config.mixed_precision == "mixed_float16"):
     raise ConfigError("--allreduce_compression=powersgd keeps error buffers "

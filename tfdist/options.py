@@ -233,7 +233,9 @@ OPTIONS = (
        "model_dir/best_export; empty: off.", "output"),
     _enum("best_mode", "auto", ("auto", "min", "max"),
           "Whether --best_metric is best when smallest or largest; auto: "
-          "min for names with loss or error in them, else max.", "output"),
+          "by the metric's name (min for loss, error, mae, mse, perplexity "
+          "...; max for accuracy, auc, precision, recall ...), refused for "
+          "a name that says neither.", "output"),
     _o("early_stopping_patience", 0, "With --best_metric: stop after this "
        "many evals in a row without a better value; 0: never.", "output",
        minimum=0),

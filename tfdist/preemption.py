@@ -1,4 +1,5 @@
-"""SIGTERM → checkpoint → exit 42, agreed across all workers, bounded in time.
+"""SIGTERM (or SIGHUP) → checkpoint → exit 42, agreed across all workers,
+bounded in time.
 
 tfdist does its own agreement, on every platform. (TF's
 PreemptionCheckpointHandler stops acting on SIGTERM on GCE and GKE CPU
@@ -15,7 +16,8 @@ import os
 import signal
 import sys
 import threading
-import time
+
+from absl import logging
 
 from tfdist.errors import PREEMPTED_EXIT_CODE
 from tfdist.errors import TfdistError
@@ -30,16 +32,25 @@ class PreemptedError(TfdistError):
   exit_code = PREEMPTED_EXIT_CODE
 
 
+# SIGHUP too: a task started over `ssh -tt` gets SIGHUP, not SIGTERM,
+# when its launcher stops it.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 class SigtermFlag:
-  """Catches SIGTERM; `requested` is read by each loop call. After
-  `grace_seconds` without an exit, a watchdog ends the process with
+  """Catches SIGTERM (and SIGHUP); `requested` is read by each loop call.
+  After `grace_seconds` without an exit, a watchdog ends the process with
   UNSAVED_EXIT_CODE, unless a checkpoint is being written (it waits for
-  that to finish).
+  that to finish). A finished save, `disarm()` and `close()` disarm it.
 
   A Python signal handler runs only when the main thread returns to the
   interpreter, which a task stuck in a collective never does. So a thread
   also listens on the signal wakeup fd, which CPython writes the moment a
   signal arrives, and starts the watchdog from there.
+
+  Signal handlers can only be set from the main thread: elsewhere (a Ray
+  Tune function trainable, a notebook's worker thread) the flag logs one
+  line and never rises.
   """
 
   def __init__(self, *, grace_seconds, task_name="this task",
@@ -49,9 +60,19 @@ class SigtermFlag:
     self._on_repeat = on_repeat  # Called on the second SIGTERM.
     self._saving = threading.Lock()
     self._noted = threading.Lock()
+    self._disarmed = threading.Event()
     self._handled = 0
     self.requested = False
-    self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+    self._previous_handlers = None
+    if threading.current_thread() is not threading.main_thread():
+      logging.warning(
+          "tfdist runs outside the main thread, where Python cannot catch "
+          "signals: a SIGTERM will not save a checkpoint. Call it from the "
+          "main thread for preemption saves.")
+      return
+    self._previous_handlers = {
+        signum: signal.signal(signum, self._on_sigterm)
+        for signum in STOP_SIGNALS}
     self._read_end, self._write_end = os.pipe()
     os.set_blocking(self._write_end, False)
     self._previous_fd = signal.set_wakeup_fd(self._write_end,
@@ -59,11 +80,19 @@ class SigtermFlag:
     threading.Thread(target=self._listen, daemon=True,
                      name="tfdist-sigterm-listener").start()
 
+  def disarm(self):
+    """From now on a SIGTERM ends nothing: what it would save is saved."""
+    self._disarmed.set()
+
   def close(self):
-    """Gives the caller back its SIGTERM handler and wakeup fd (the
+    """Disarms, and gives the caller back its handlers and wakeup fd (the
     Python API trains inside someone else's process)."""
+    self.disarm()
+    if self._previous_handlers is None:
+      return
     signal.set_wakeup_fd(self._previous_fd)
-    signal.signal(signal.SIGTERM, self._previous_handler)
+    for signum, handler in self._previous_handlers.items():
+      signal.signal(signum, handler)
     os.close(self._write_end)  # The listener reads EOF and ends.
 
   def _listen(self):
@@ -72,7 +101,7 @@ class SigtermFlag:
       if not data:
         os.close(self._read_end)
         return
-      if signal.SIGTERM in data:
+      if any(signum in data for signum in STOP_SIGNALS):
         self._note()
 
   def _note(self):
@@ -90,8 +119,11 @@ class SigtermFlag:
       self._on_repeat()
 
   def _watchdog(self):
-    time.sleep(self._grace_seconds)
+    if self._disarmed.wait(self._grace_seconds):
+      return
     with self._saving:  # A checkpoint being written is worth waiting for.
+      if self._disarmed.is_set():
+        return
       sys.stderr.write(
           f"tfdist: error: {self._task_name} got SIGTERM and could not "
           f"stop at an agreed step within {self._grace_seconds:g}s (a peer "
@@ -104,9 +136,17 @@ class SigtermFlag:
     """Saves (the watchdog waits meanwhile) and raises PreemptedError."""
     with self._saving:
       save_fn()
+      self.disarm()  # Saved: the exit is PREEMPTED_EXIT_CODE, however late.
     raise PreemptedError(
         f"preempted (SIGTERM): checkpoint saved at step {step_fn()}; "
         f"exiting with code {PREEMPTED_EXIT_CODE} so the launcher resumes.")
+
+
+class Unwatched:
+  """What a run that does not save on SIGTERM watches with: nothing."""
+
+  def disarm(self):
+    pass
 
 
 class SigtermGuard:
@@ -143,6 +183,9 @@ class SigtermGuard:
       yield
     finally:
       self._joining = False
+
+  def disarm(self):
+    self._flag.disarm()
 
   def save_and_exit_if_signalled(self):
     if self._flag.requested:

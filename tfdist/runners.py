@@ -35,7 +35,8 @@ class Runner(Protocol):
 
   def preemption_watched(self, *, save_fn, step_fn, grace_seconds):
     """A context: on SIGTERM, call save_fn, then stop with PreemptedError;
-    exit within `grace_seconds` whatever happens."""
+    exit within `grace_seconds` whatever happens, until the watch it gives
+    is disarmed (nothing is left to save)."""
 
   def make_iterator(self, input_fn):
     """An iterator over the train batches of `input_fn`."""
@@ -46,7 +47,12 @@ class Runner(Protocol):
     global step."""
 
   def evaluate(self, input_fn, num_steps) -> loop_wire.LoopSums:
-    """One exact eval pass of `num_steps` global batches."""
+    """One exact eval pass of `num_steps` global batches. It never saves:
+    the eval may run on other weights (the moving average)."""
+
+  def stop_if_signalled(self, sums):
+    """After an eval, with the trained weights back: save and stop with
+    PreemptedError when a SIGTERM was agreed (SyncRunner: `sums.stop`)."""
 
 
 class PeerError(TfdistError):
@@ -120,13 +126,13 @@ class SyncRunner:
   def preemption_watched(self, *, save_fn, step_fn, grace_seconds):
     """On SIGTERM: save and exit, at the same step on every worker."""
     if not self._preemptible:
-      yield
+      yield preemption.Unwatched()
       return
     self._sigterm = preemption.SigtermFlag(grace_seconds=grace_seconds,
                                            task_name=self._task_name)
     self._save_fn, self._step_fn = save_fn, step_fn
     try:
-      yield
+      yield self._sigterm
     finally:
       self._sigterm.close()
       self._sigterm = None
@@ -166,10 +172,11 @@ class SyncRunner:
     # Eval passes keep TF's iterator: finite and padded.
     iterator = iter(self._strategy.distribute_datasets_from_function(
         input_fn))
-    sums = self._loops.wire.unpack_eval(
+    return self._loops.wire.unpack_eval(
         self._call(self._eval, iterator, num_steps), num_steps)
+
+  def stop_if_signalled(self, sums):
     self._stop_if_agreed(sums)
-    return sums
 
   def _stop_if_agreed(self, sums):
     """Every task sees the same `stop`, after the same call."""
@@ -223,7 +230,7 @@ class ParameterServerRunner:
     self._guard = preemption.SigtermGuard(save_fn=save_fn, step_fn=step_fn,
                                           grace_seconds=grace_seconds)
     try:
-      yield
+      yield self._guard
     finally:
       self._guard.close()
       self._guard = None
@@ -282,9 +289,12 @@ class ParameterServerRunner:
     """
     dataset = input_fn(tf.distribute.InputContext())
     vector = self._local_eval(iter(dataset), tf.constant(num_steps, tf.int32))
-    if self._guard:  # A SIGTERM that came during the eval.
-      self._guard.save_and_exit_if_signalled()
     return self._loops.wire.unpack_eval(vector.numpy(), num_steps)
+
+  def stop_if_signalled(self, sums):
+    del sums  # A SIGTERM that came during the eval.
+    if self._guard:
+      self._guard.save_and_exit_if_signalled()
 
 
 def create(strategy_info, loops, *, train_feed="auto"):

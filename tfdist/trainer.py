@@ -148,7 +148,7 @@ class Trainer:
         grace_seconds=options.sigterm_grace_seconds)
     callbacks = self._callbacks
     try:
-      with watched:
+      with watched as watch:
         if callbacks:
           callbacks.train_begin(self.step)
         if self.step < options.train_steps:
@@ -162,6 +162,9 @@ class Trainer:
             self._track_best(self.step, eval_metrics)
             if callbacks:
               callbacks.eval_end(self.step, eval_metrics, train_metrics)
+        # Trained, saved and evaluated: a SIGTERM from here on lets the
+        # export finish (its watchdog would end the process mid-export).
+        watch.disarm()
         export_dir = self._export_fn() if self._export_fn else None
         if callbacks:
           callbacks.train_end(train_metrics)
@@ -210,6 +213,8 @@ class Trainer:
     with self._eval_weights():
       sums = self._runner.evaluate(self._inputs.eval_fn(),
                                    self._inputs.eval_steps)
+    # Out of the eval weights: a preemption saves the trained ones.
+    self._runner.stop_if_signalled(sums)
     examples = max(sums.examples, 1.0)
     metrics = {"loss": sums.loss_sum / examples,
                **self._metrics.results(sums.metric_states),

@@ -13,6 +13,12 @@ flags with --baseline), whether the export loads and predicts, and
 whether any task process, scratch file or network namespace was left
 behind. Exit code 0 when nothing was lost.
 
+The job's length is the chaos duration, not a step count: the chaos run
+trains with --callbacks=tfdist.tools.chaos:hold_until_released, which
+holds the chief from 80% of --train_steps on while a gate file exists,
+and the gate goes when the faults are done. So every machine, fast or
+slow, sees the same number of faults, and the job then finishes.
+
 With --elastic (the launcher flags give --workers=MIN:MAX), half of the
 faults instead change the worker slots a discovery script offers, to a
 random count in MIN..MAX: the job shrinks and grows as it runs, and the
@@ -30,6 +36,11 @@ import sys
 import tempfile
 import threading
 import time
+
+# The file whose presence holds the chief (hold_until_released).
+GATE_ENV = "TFDIST_CHAOS_GATE"
+HOLD_FROM = 0.8  # Of --train_steps.
+HOLD_CALLBACK = "--callbacks=tfdist.tools.chaos:hold_until_released"
 
 _STARTED = re.compile(r"^\[launch\] started (\S+) pid=(\d+) at (\S+)")
 _ACCURACY = re.compile(r"Finished at step (\d+)/(\d+) .*eval accuracy "
@@ -63,6 +74,9 @@ def parse_args(argv):
                if a.startswith("--") and "=" in a)
   if "model_dir" not in flags or "train_steps" not in flags:
     parser.error("the train flags need --model_dir and --train_steps")
+  if "callbacks" in flags:
+    parser.error("the train flags cannot give --callbacks: the chaos run "
+                 "holds its end with its own")
   args.model_dir, args.train_steps = flags["model_dir"], int(
       flags["train_steps"])
   args.worker_range = None
@@ -76,15 +90,35 @@ def parse_args(argv):
   return args
 
 
+def hold_until_released():
+  """--callbacks for a chaos run: on the chief, from HOLD_FROM of the
+  train steps on, each loop call waits while the file GATE_ENV names
+  exists (the other workers wait in their next collective)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  gate = os.environ.get(GATE_ENV)
+
+  class HoldUntilReleased(keras.callbacks.Callback):
+
+    def on_train_batch_end(self, batch, logs=None):
+      steps = self.params.get("steps") or 0
+      if gate and batch >= HOLD_FROM * steps:
+        while os.path.exists(gate):
+          time.sleep(0.2)
+  return [HoldUntilReleased()]
+
+
 class _Job:
   """launch.local in a subprocess, its output followed line by line."""
 
-  def __init__(self, launcher_args, train_args, scratch):
+  def __init__(self, launcher_args, train_args, scratch, gate=None):
     self.lines, self.tasks, self.pids_seen = [], {}, set()
+    env = {**os.environ, "TMPDIR": scratch}
+    if gate:
+      env[GATE_ENV] = gate
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "tfdist.launch.local", *launcher_args, "--",
          *train_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env={**os.environ, "TMPDIR": scratch})
+        text=True, env=env)
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
 
@@ -160,11 +194,17 @@ def run_chaos(args, out=sys.stdout):
       with open(slots, "w") as f:
         f.write(f"localhost:{args.worker_range[1]}\n")
       launcher += [f"--host_discovery=cat {slots}", "--discovery_seconds=1"]
-    job = _Job(launcher, args.train_args, scratch)
+    gate = os.path.join(scratch, "gate")
+    open(gate, "w").close()
+    job = _Job(launcher, [*args.train_args, HOLD_CALLBACK], scratch, gate)
     started = time.monotonic()
     next_fault = started + rng.uniform(*args.kill_range)
     while job.proc.poll() is None:
       now = time.monotonic()
+      if now - started >= args.duration and os.path.exists(gate):
+        os.remove(gate)  # The faults are done: the job may finish.
+        print(f"[chaos] {now - started:6.1f}s faults done; the job "
+              "finishes", file=out, flush=True)
       due = now >= next_fault and now - started < args.duration
       if due and args.worker_range and rng.random() < 0.5:
         count = rng.randint(*args.worker_range)
@@ -185,15 +225,15 @@ def run_chaos(args, out=sys.stdout):
                                    "signal": signal.Signals(signum).name})
           print(f"[chaos] {now - started:6.1f}s {signal.Signals(signum).name}"
                 f" -> {name}", file=out, flush=True)
+          next_fault = now + rng.uniform(*args.kill_range)
         except ProcessLookupError:
-          pass
-        next_fault = now + rng.uniform(*args.kill_range)
+          next_fault = now + 1.0  # Between a task's exit and its restart.
       time.sleep(0.1)
     report["exit_code"] = job.wait()
     report["seconds"] = round(time.monotonic() - started, 1)
     time.sleep(1.0)  # Let the launcher's last children be reaped.
     report["leftover_files"] = sorted(
-        f for f in os.listdir(scratch) if f != "slots")
+        f for f in os.listdir(scratch) if f not in ("slots", "gate"))
   report["restarts"] = sum("restarting" in l for l in job.lines)
   report["membership_changes"] = [
       l.split("membership change: ", 1)[1].split(" (")[0]
