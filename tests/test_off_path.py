@@ -335,3 +335,50 @@ def test_accumulation_with_an_unreached_variable_and_a_lazy_metric(tmp_path):
   assert not np.array_equal(
       two["model/used/_kernel/.ATTRIBUTES/VARIABLE_VALUE"],
       fresh.used.kernel.numpy())
+
+
+_HOST_PROCESS = '''
+import os, signal, sys, threading, time
+import keras
+import tfdist
+
+
+class SigtermAtEnd(keras.callbacks.Callback):
+  def on_train_end(self, logs=None):
+    os.kill(os.getpid(), signal.SIGTERM)  # After the last loop call.
+
+
+common = dict(model="mlp", dataset="digits", data_dir=sys.argv[1],
+              model_dir=sys.argv[2], train_steps=10, eval_every=0,
+              log_every=10, steps_per_loop=10, sigterm_grace_seconds=1)
+if sys.argv[3] == "late_sigterm":
+  result = tfdist.train(callbacks=[SigtermAtEnd()], **common)
+  time.sleep(4)  # Past the watchdog's grace.
+else:
+  results = []
+  thread = threading.Thread(
+      target=lambda: results.append(tfdist.train(**common)))
+  thread.start()
+  thread.join()
+  result = results[0]
+print("host alive at step", result.step)
+'''
+
+
+@pytest.mark.parametrize("case", ["late_sigterm", "other_thread"])
+def test_the_python_api_in_a_host_process(tmp_path, data_dir, case):
+  """late_sigterm: a SIGTERM after the last loop call (in on_train_end,
+  after the export) does not end the host process once tfdist.train()
+  has returned. other_thread: tfdist.train() from a thread that is not
+  the main one trains, and says in one line that SIGTERM is not caught."""
+  script = tmp_path / "host.py"
+  script.write_text(_HOST_PROCESS)
+  proc = subprocess.run(
+      [sys.executable, str(script), data_dir, str(tmp_path / "run"), case],
+      cwd=tmp_path, capture_output=True, text=True, timeout=300,
+      env={**os.environ, "PYTHONPATH": ROOT})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "host alive at step 10" in proc.stdout
+  assert "Traceback" not in proc.stderr
+  warned = "tfdist runs outside the main thread" in proc.stderr
+  assert warned == (case == "other_thread")

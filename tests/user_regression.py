@@ -95,6 +95,31 @@ class FullControlTask(RegressionTask):
     return test.batch(per_replica, drop_remainder=True).map(weighted)
 
 
+class NoRepeatTask(FullControlTask):
+  """Its train_input forgets .repeat(): 16 batches, then none."""
+
+  def train_input(self, context, *, global_batch_size, seed, start_step):
+    per_replica = context.get_per_replica_batch_size(global_batch_size)
+    return data()[0].batch(per_replica, drop_remainder=True)
+
+
+class EmptyInputTask(FullControlTask):
+  """Its train_input has nothing in it (a filter that keeps nothing)."""
+
+  def train_input(self, context, *, global_batch_size, seed, start_step):
+    per_replica = context.get_per_replica_batch_size(global_batch_size)
+    return data()[0].filter(lambda f, y: False).repeat().batch(per_replica)
+
+
+class EndsMidRunTask(FullControlTask):
+  """Ends after 16 batches, with a length TF cannot know in advance."""
+
+  def train_input(self, context, *, global_batch_size, seed, start_step):
+    per_replica = context.get_per_replica_batch_size(global_batch_size)
+    return data()[0].filter(lambda f, y: True).batch(
+        per_replica, drop_remainder=True)
+
+
 # Bad input -------------------------------------------------------------
 
 def bad_not_a_model():

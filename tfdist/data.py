@@ -422,9 +422,18 @@ def inputs_from_task(task, *, global_batch_size,
   if not eval_steps_requested:
     raise ConfigError(f"{task.display_name} makes its own input, so tfdist "
                       "cannot count its eval batches: set --eval_steps.")
-  first = next(iter(task.train_input(
+  probe = task.train_input(
       tf.distribute.InputContext(), global_batch_size=global_batch_size,
-      seed=0, start_step=0)))
+      seed=0, start_step=0)
+  if probe.cardinality() >= 0:  # Known and finite (0: empty).
+    raise ConfigError(
+        f"{task.display_name}.train_input must repeat for ever: end it "
+        f"with .repeat(). Received: a dataset of {int(probe.cardinality())} "
+        "batches")
+  first = next(iter(probe.take(1)), None)
+  if first is None:
+    raise ConfigError(f"{task.display_name}.train_input gave no batch: is "
+                      "its source empty?")
   features, labels = first[0], first[1]
   unbatched = tf.nest.map_structure(
       lambda t: tf.TensorSpec(t.shape[1:], t.dtype), features)

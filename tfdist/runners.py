@@ -59,6 +59,10 @@ class PeerError(TfdistError):
   """Another task of the cluster stopped answering."""
 
 
+class InputEndedError(TfdistError):
+  """A task's own input ran out mid-run."""
+
+
 def _chunks(num_steps, steps_per_call):
   while num_steps > 0:
     size = min(steps_per_call, num_steps)
@@ -188,6 +192,11 @@ class SyncRunner:
     try:
       return loop_fn(iterator, tf.constant(num_steps, tf.int32),
                      tf.constant(stop, tf.float32)).numpy()
+    except tf.errors.OutOfRangeError:
+      raise InputEndedError(
+          "the input ended before the steps asked of it: a task's "
+          "train_input must repeat for ever (end it with .repeat()), and "
+          "its eval_input must give --eval_steps batches.") from None
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
             tf.errors.AbortedError, tf.errors.CancelledError) as e:
       # With several collectives in flight (the overlapped packs), the one
