@@ -38,9 +38,17 @@ import time
 
 from . import description
 from . import processes
+from tfdist import options as tfdist_options
+from tfdist.errors import PEER_LOST_EXIT_CODE
 from tfdist.errors import PORT_TAKEN_EXIT_CODE
 from tfdist.errors import PREEMPTED_EXIT_CODE
 
+# A failure that every training task reports alike within this many
+# seconds is the job's error (a bad flag, a bug): it ends the job rather
+# than restarting it or dropping a worker.
+JOB_ERROR_WINDOW = 3.0
+_NOT_THE_JOBS_ERROR = (PREEMPTED_EXIT_CODE, PORT_TAKEN_EXIT_CODE,
+                       PEER_LOST_EXIT_CODE)
 # Relaunches, beyond --max_restarts, after a probed port was taken.
 MAX_PORT_RETRIES = 5
 # An elastic job waits this long at its start for MIN worker slots, as
@@ -97,21 +105,51 @@ def discover_hosts(command, log):
   return hosts
 
 
+def _expanded(train_args, depth=0):
+  """The train flags with each --flagfile's lines in its place (absl
+  reads them so: later flags win)."""
+  for arg in train_args:
+    if arg.startswith("--flagfile=") and depth < 10:
+      try:
+        with open(arg.split("=", 1)[1]) as f:
+          lines = [line.strip() for line in f]
+      except OSError:
+        continue  # The tasks say so, in one line.
+      yield from _expanded(lines, depth + 1)
+    else:
+      yield arg
+
+
+def _train_flag(train_args, name):
+  """The value tfdist.train takes for --`name`: the last one given, in
+  the flags or a flagfile, else the option's default."""
+  value = tfdist_options.BY_NAME[name].default
+  for arg in _expanded(train_args):
+    if arg.startswith(f"--{name}="):
+      value = arg.split("=", 1)[1]
+  return value
+
+
 def _check_batch_divides(parser, args):
-  """An elastic MWMS job keeps its global batch: every worker count from
-  MIN to MAX must divide a --batch_size given on the command line."""
-  sizes = [a.split("=", 1)[1] for a in args.train_args
-           if a.startswith("--batch_size=")]
-  if not sizes or not sizes[-1].isdigit():
-    return  # A flagfile or the default: the tasks check it.
-  batch = int(sizes[-1])
+  """An elastic MWMS job keeps its global batch: every replica count of
+  MIN to MAX workers (the chief, and each task's --num_cpu_devices,
+  counted) must divide --batch_size, wherever it comes from."""
+  try:
+    batch = int(_train_flag(args.train_args, "batch_size"))
+    per_task = int(_train_flag(args.train_args, "num_cpu_devices"))
+  except ValueError:
+    return  # Not a number: the tasks say so, in one line.
+  chief = 1 if args.cluster.chief else 0
   bad = [n for n in range(args.cluster.min_workers,
-                          args.cluster.max_workers + 1) if batch % n]
+                          args.cluster.max_workers + 1)
+         if batch % ((n + chief) * per_task)]
   if bad:
     parser.error(f"--workers={args.cluster.min_workers}:"
                  f"{args.cluster.max_workers} keeps the global batch, which "
-                 f"{', '.join(map(str, bad))} worker(s) cannot split. "
-                 f"Received: batch_size={batch}")
+                 f"{', '.join(map(str, bad))} worker(s)"
+                 f"{' and the chief' if chief else ''}"
+                 f"{f' of {per_task} replicas each' if per_task > 1 else ''}"
+                 f" cannot split. Received: batch_size={batch}")
 
 
 def finish_args(parser, args):
@@ -132,6 +170,11 @@ def finish_args(parser, args):
   if getattr(args, "discovery_seconds", 1.0) <= 0:
     parser.error("--discovery_seconds must be > 0. Received: "
                  f"{args.discovery_seconds}")
+  if getattr(args, "host_discovery", "") and args.cluster.ps:
+    parser.error("--host_discovery cannot grow a parameter-server job: "
+                 "its resize would stop the ps tasks before the chief "
+                 "saves. Received: --host_discovery with "
+                 f"--ps={args.cluster.ps}")
   if args.cluster.elastic and not args.cluster.ps:
     _check_batch_divides(parser, args)
 
@@ -142,9 +185,11 @@ class Launcher:
   `make_tasks(args)` gives the TaskSpecs of one attempt: local processes
   in launch.local, ssh commands in launch.ssh; `args.cluster` is the
   attempt's membership. `discover()` (elastic jobs) returns the worker
-  slots available now, or None when it cannot tell. `drop_worker(index)`
-  tells the launcher that worker `index` of the attempt that just ended
-  is dropped for good (launch.ssh then gives up its host slot).
+  slots available now, or None when it cannot tell. `drop_worker(spec)`
+  tells the launcher that the worker of TaskSpec `spec`, of the attempt
+  that just ended, is dropped for good (launch.ssh then gives up a slot of
+  its host, launch.ray its node): by host, not by index, since a
+  discovery may have reordered the slots since.
   """
 
   def __init__(self, args, *, make_tasks, out=sys.stdout, spawn=None,
@@ -164,6 +209,8 @@ class Launcher:
     self._next_discovery = time.monotonic() + discover_every_seconds
     self._resize_to = None  # A size change asked of the running group.
     self._failed_at = None
+    self._failed_task = None  # The task whose failure ended an attempt.
+    self._job_error = False
 
   def _log(self, message):
     processes.write_line(self._out, f"[launch] {message}")
@@ -201,6 +248,11 @@ class Launcher:
       if code == 0:
         self._log("training finished: every training task exited 0.")
         return 0
+      if self._job_error:
+        self._log(f"every training task exited with code {code}: an error "
+                  "of the job (see the first error line above), not a lost "
+                  "task; not restarting. Training did not finish.")
+        return code
       if self._resize_to is not None:
         self._change_membership(self._resize_to, "discovery offers "
                                 "that many slots; the group was "
@@ -228,8 +280,8 @@ class Launcher:
                     f"be below the minimum of {self._cluster.min_workers} "
                     "(--workers=MIN:MAX). Training did not finish.")
           return code if code > 0 else 1
-        if self._drop_worker:
-          self._drop_worker(int(failed.split(":")[1]))
+        if self._drop_worker and self._failed_task:
+          self._drop_worker(self._failed_task.spec)
         self._change_membership(
             self._cluster.workers - 1,
             f"{failed} exited with code {code} with no restarts left")
@@ -327,9 +379,12 @@ class Launcher:
       self._log(f"started {task.name} pid={task.process.pid} at "
                 f"{task.address} (attempt {attempt + 1})")
     try:
-      result = self._wait_restarting_alone()
+      code, failed = self._wait_restarting_alone()
       self._failed_at = time.monotonic()
-      return result
+      self._job_error = (code not in _NOT_THE_JOBS_ERROR and code > 0
+                         and self._resize_to is None
+                         and self._job.failed_alike(code, JOB_ERROR_WINDOW))
+      return code, failed
     finally:
       self._job.stop()
       self._job = None
@@ -346,6 +401,7 @@ class Launcher:
     restarts = {}
     while True:
       code, task = self._job.wait(on_poll=self._poll_discovery)
+      self._failed_task = task
       if code == 0:
         return 0, None
       if self._resize_to is not None:  # The group saved to be resized.

@@ -143,11 +143,29 @@ class Job:
       trainers = [t for t in watched if t.spec.role not in serving]
       if all(t.process.poll() == 0 for t in trainers):
         return 0, None
-      for task in watched:
-        code = task.process.poll()
-        if code not in (None, 0):
-          return code, task
+      failed = [t for t in watched if t.process.poll() not in (None, 0)]
+      if failed:
+        # Of the tasks seen failed in one poll, one killed by a signal is
+        # the cause; the others most likely lost it as a peer.
+        task = min(failed, key=lambda t: t.process.poll() >= 0)
+        return task.process.poll(), task
       time.sleep(self._poll_seconds)
+
+  def failed_alike(self, code, timeout):
+    """True when every training task exits with `code` within `timeout`
+    seconds: an error of the job (a bad flag, a bug), not a lost task."""
+    serving = self._serving_roles()
+    trainers = [t for t in self.tasks
+                if not t.abandoned and t.spec.role not in serving]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+      codes = [t.process.poll() for t in trainers]
+      if None not in codes:
+        return len(trainers) > 1 and all(c == code for c in codes)
+      if any(c not in (None, code) for c in codes):
+        return False
+      time.sleep(self._poll_seconds)
+    return False
 
   def forward(self, signum):
     for task in self.tasks:

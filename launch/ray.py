@@ -156,11 +156,11 @@ class RayJob:
         other_tasks=sum(cluster.counts().values()) - cluster.workers,
         left_out=self._lost_nodes)
 
-  def drop_worker(self, index):
-    """Worker `index` of the last attempt is dropped for good: its node
-    is left out of the slot count (Ray may still list a node that is
-    gone as alive for a while)."""
-    node = self._nodes.get(f"worker:{index}")
+  def drop_worker(self, spec):
+    """The worker of TaskSpec `spec` is dropped for good: its node is
+    left out of the slot count (Ray may still list a node that is gone
+    as alive for a while)."""
+    node = self._nodes.get(spec.name)
     if node:
       self._lost_nodes.add(node)
       self._log(f"node {node[:12]} is left out of the worker slots from "

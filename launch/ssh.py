@@ -124,11 +124,12 @@ class WorkerHosts:
       self._hosts = hosts
     return len(hosts)
 
-  def drop(self, index):
-    """Worker `index` of the last attempt is dropped: its slot goes
-    (unless a discovery since then has already left it out)."""
-    if index < len(self._hosts):
-      self._hosts.pop(index)
+  def drop(self, spec):
+    """The worker of TaskSpec `spec` is dropped: a slot of its host goes
+    (unless a discovery since then has already left the host out)."""
+    host = spec.address.rpartition(":")[0]
+    if host in self._hosts:
+      self._hosts.remove(host)
 
   def take(self, count):
     if count > len(self._hosts):

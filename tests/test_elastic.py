@@ -119,15 +119,50 @@ def test_below_min_stops_in_one_line(tmp_path, data_dir):
 
 
 def test_bad_elastic_flags_are_one_line(tmp_path):
-  for flags, expected in (
-      (["--workers=3:2"], "--workers=MIN:MAX needs 1 <= MIN <= MAX"),
-      (["--workers=0:2"], "--workers=MIN:MAX needs 1 <= MIN <= MAX"),
-      (["--workers=2", "--host_discovery=true"],
+  flagfile = tmp_path / "flags.cfg"
+  flagfile.write_text("--batch_size=49\n")
+  batch64 = ["--batch_size=64"]
+  for flags, train, expected in (
+      (["--workers=3:2"], batch64, "--workers=MIN:MAX needs 1 <= MIN <= MAX"),
+      (["--workers=0:2"], batch64, "--workers=MIN:MAX needs 1 <= MIN <= MAX"),
+      (["--workers=2", "--host_discovery=true"], batch64,
        "--host_discovery needs --workers=MIN:MAX"),
-      (["--workers=2:4"], "--workers=2:4 keeps the global batch, which 3 "
-       "worker(s) cannot split. Received: batch_size=64")):
-    proc = run_launcher(flags, [f"--model_dir={tmp_path / 'x'}",
-                                "--batch_size=64"], check=False, timeout=60)
+      (["--workers=2:4"], batch64, "--workers=2:4 keeps the global batch, "
+       "which 3 worker(s) cannot split. Received: batch_size=64"),
+      # The default batch, a flagfile's, the chief and each task's
+      # replicas count too.
+      (["--workers=2:3"], [], "which 3 worker(s) cannot split. Received: "
+       "batch_size=64"),
+      (["--workers=2:3"], [f"--flagfile={flagfile}"],
+       "which 2, 3 worker(s) cannot split. Received: batch_size=49"),
+      (["--chief", "--workers=1:2"], batch64, "which 2 worker(s) and the "
+       "chief cannot split. Received: batch_size=64"),
+      (["--workers=1:2"], [*batch64, "--num_cpu_devices=3"], "which 1, 2 "
+       "worker(s) of 3 replicas each cannot split"),
+      (["--chief", "--workers=1:2", "--ps=1", "--host_discovery=true"],
+       batch64, "--host_discovery cannot grow a parameter-server job")):
+    proc = run_launcher(flags, [f"--model_dir={tmp_path / 'x'}", *train],
+                        check=False, timeout=60)
     assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
   assert not (tmp_path / "x").exists()
+
+
+def test_an_error_every_task_reports_ends_the_job(tmp_path):
+  """A bad flag fails every task alike: that is the job's error, not a
+  lost worker, so nothing restarts, shrinks or grows back."""
+  slots = tmp_path / "slots"
+  slots.write_text("localhost:2\n")
+  for flags in (["--workers=2", "--max_restarts=3"],
+                ["--workers=1:2", "--max_restarts=0",
+                 f"--host_discovery=cat {slots}", "--discovery_seconds=1"]):
+    proc = run_launcher(
+        [*flags, "--backoff_seconds=0.1"],
+        [f"--model_dir={tmp_path / 'x'}", "--model=no_such_model",
+         "--strategy=multi_worker_mirrored"], check=False, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    assert ("every training task exited with code 2: an error of the job"
+            in output), output
+    assert "restarting the job" not in output
+    assert "membership change" not in output

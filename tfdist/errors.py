@@ -6,6 +6,9 @@ PREEMPTED_EXIT_CODE = 42
 # A task whose gRPC port was taken between the launcher's probe and its
 # bind exits with this; launchers relaunch with new ports.
 PORT_TAKEN_EXIT_CODE = 43
+# A task that lost a peer (a collective timed out or was aborted) exits
+# with this: the loss of another task, never an error of its own.
+PEER_LOST_EXIT_CODE = 5
 
 
 class TfdistError(Exception):

@@ -19,6 +19,7 @@ import tensorflow as tf
 from tfdist import loop_wire
 from tfdist import preemption
 from tfdist import strategies
+from tfdist.errors import PEER_LOST_EXIT_CODE
 from tfdist.errors import TfdistError
 
 
@@ -57,6 +58,8 @@ class Runner(Protocol):
 
 class PeerError(TfdistError):
   """Another task of the cluster stopped answering."""
+
+  exit_code = PEER_LOST_EXIT_CODE
 
 
 class InputEndedError(TfdistError):
