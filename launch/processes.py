@@ -43,6 +43,15 @@ def _die_with_parent():
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def start_local(argv, env):
+  """A task's local process: its output piped, its own session, and
+  SIGKILL when the launcher dies."""
+  return subprocess.Popen(
+      argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      stdin=subprocess.DEVNULL, start_new_session=True,
+      preexec_fn=_die_with_parent)
+
+
 class _Task:
 
   def __init__(self, spec):
@@ -92,10 +101,7 @@ class Job:
       # The task's temporary files, under the launcher's scratch directory.
       env["TMPDIR"] = tempfile.mkdtemp(prefix=f"{spec.role}{spec.index}-",
                                        dir=self._scratch_root)
-    return subprocess.Popen(
-        spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, start_new_session=True,
-        preexec_fn=_die_with_parent)
+    return start_local(spec.argv, env)
 
   def abandon(self, task):
     """Stops watching a task that failed for good."""

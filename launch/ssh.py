@@ -11,9 +11,13 @@ It takes the same cluster description as every launcher. Hosts take the
 tasks in order: the chief (with --chief), the workers, the ps tasks, then
 the evaluator; without --workers, every host left is a worker. A host
 listed twice runs two tasks, on ports --port and --port+1. ssh runs with a
-forced tty (-tt), so when the launcher stops a task, or gets Ctrl-C, the
-remote process gets SIGHUP and ends with its session. Failures restart the
-job by the shared policy of launch.core.
+forced tty (-tt), so that a remote task ends with its session. A signal
+for a task (SIGTERM to save and stop, Ctrl-C's SIGINT) is sent to the
+remote process itself, over a second ssh (`kill`), by the pid it printed
+at its start: the task then saves, exits with its own code, and ssh
+brings that code back. (Killing the local ssh would give the remote task
+SIGHUP, and its output nowhere to go.) Failures restart the job by the
+shared policy of launch.core.
 
 Elastic (--workers=MIN:MAX): the workers' hosts are the worker part of
 --hosts, or, with --host_discovery, the 'host:slots' lines the script
@@ -23,7 +27,10 @@ worker dropped for good gives up its slot until discovery offers it again.
 
 import argparse
 import dataclasses
+import os
 import shlex
+import signal
+import subprocess
 import sys
 
 from . import core
@@ -146,12 +153,78 @@ def _role_addresses(desc, hosts, port):
   return roles
 
 
+# The first line a remote task prints: its pid (the shell's, which
+# becomes the task's with exec).
+_PID_LINE = "tfdist-remote-pid "
+
+
 def remote_command(args, spec):
   """The shell line run on the remote host for one task."""
   env = " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env.items())
   train = " ".join(shlex.quote(a) for a in args.train_args)
-  return (f"cd {shlex.quote(args.workdir)} && {env} exec "
-          f"{shlex.quote(args.python)} -m {args.module} {train}")
+  return (f"cd {shlex.quote(args.workdir)} && echo {_PID_LINE}$$ && "
+          f"{env} exec {shlex.quote(args.python)} -m {args.module} {train}")
+
+
+class RemoteProcess:
+  """The local ssh process of one task, as the launcher's Job sees a
+  process, but for signals: those go to the remote task by its pid."""
+
+  def __init__(self, local, ssh_prefix, host):
+    self._local = local
+    self._kill_argv = [*ssh_prefix, host]
+    self._remote_pid = None
+    self._signallers = []
+    self.pid = local.pid
+    self.stdout = self._lines()
+
+  def _lines(self):
+    for raw in self._local.stdout:
+      text = raw.decode("utf-8", "replace").rstrip("\r\n")
+      if self._remote_pid is None and text.startswith(_PID_LINE):
+        self._remote_pid = int(text[len(_PID_LINE):])
+        continue
+      yield (text + "\n").encode()
+
+  @property
+  def returncode(self):
+    return self._local.returncode
+
+  def poll(self):
+    return self._local.poll()
+
+  def wait(self, timeout=None):
+    code = self._local.wait(timeout=timeout)
+    for signaller in self._signallers:
+      signaller.wait()
+    return code
+
+  def send_signal(self, signum):
+    if self._remote_pid is None or self._local.poll() is not None:
+      self._local.send_signal(signum)  # Not started yet, or gone.
+      return
+    self._signallers.append(subprocess.Popen(
+        [*self._kill_argv, f"kill -{int(signum)} {self._remote_pid}"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL))
+
+  def terminate(self):
+    self.send_signal(signal.SIGTERM)
+
+  def kill(self):
+    self.send_signal(signal.SIGKILL)
+    self._local.kill()
+
+
+def spawn(args):
+  """Job's spawn for ssh tasks: RemoteProcess around each local ssh."""
+  prefix = ["ssh", *shlex.split(args.ssh_args)]
+
+  def start(spec, env):
+    return RemoteProcess(
+        processes.start_local(spec.argv, {**os.environ, **env}), prefix,
+        spec.address.rpartition(":")[0])
+  return start
 
 
 def ssh_tasks(args, worker_hosts):
@@ -183,7 +256,7 @@ def main(argv=None):
       args, make_tasks=lambda a: ssh_tasks(a, hosts),
       discover=hosts.discover if args.host_discovery else None,
       discover_every_seconds=args.discovery_seconds,
-      drop_worker=hosts.drop).run())
+      drop_worker=hosts.drop, spawn=spawn(args)).run())
 
 
 if __name__ == "__main__":

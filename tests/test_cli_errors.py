@@ -108,6 +108,9 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data_dir):
             "--checkpoint_every=5"]
   run_cli(*common, "--train_steps=5")
   assert os.path.exists(os.path.join(model_dir, "ckpt-5.index"))
+  export = os.path.join(model_dir, "export")
+  assert os.path.exists(os.path.join(export, "saved_model.pb"))
+  export_before = _tree_digest(export)
   proc = run_cli(*common, "--train_steps=30", "--learning_rate=1e6",
                  check=False)
   _assert_one_line_error(proc, "loss became nan at step")
@@ -118,4 +121,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data_dir):
   assert "ckpt-5" in error
   ckpts = sorted(f for f in os.listdir(model_dir) if f.endswith(".index"))
   assert ckpts == ["ckpt-5.index"]
-  assert not os.path.exists(os.path.join(model_dir, "export.tmp"))
+  # No export from the NaN weights, and nothing half-written beside it
+  # (a staging, previous or partial path is a dot-file of model_dir).
+  assert _tree_digest(export) == export_before
+  assert [f for f in os.listdir(model_dir) if f.startswith(".")] == []

@@ -205,36 +205,69 @@ def test_a_remote_model_dir_for_a_whole_run(tmp_path, monkeypatch):
   assert signal.set_wakeup_fd(-1) == -1
 
 
+def _evals(log_dir, tag):
+  """[(step, value)] of an eval scalar, from event files on any
+  filesystem tf.io.gfile reads."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  points = []
+  for path in sorted(tf.io.gfile.glob(f"{log_dir}/events.out.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      points += [(event.step, float(tf.make_ndarray(value.tensor)))
+                 for value in event.summary.value if value.tag == tag]
+  return sorted(points)
+
+
 def test_trainer_features_on_a_remote_model_dir(tmp_path, monkeypatch):
-  """ram://, in this process: the best checkpoint and its export, early
-  stopping, EMA, --mode=eval reproducing the last eval, and a warm start
-  from the remote best checkpoint."""
+  """ram://, in this process, with a learning rate that trains: the best
+  checkpoint and its export, early stopping, EMA (the eval's weights are
+  not the trained ones), --mode=eval reproducing the last eval, and a
+  warm start from the remote best checkpoint."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tfdist  # pylint: disable=g-import-not-at-top
   monkeypatch.chdir(tmp_path)
   model_dir = "ram://tfdist-features/run"
   common = dict(model="mlp", dataset="digits", data_dir=str(tmp_path / "d"),
-                log_every=10, steps_per_loop=10)
-  # A learning rate of 0: every eval is the first, so the best stays at
-  # step 10 and patience 1 stops at step 20.
+                log_every=10, steps_per_loop=10, optimizer="sgd")
   run = tfdist.train(**common, model_dir=model_dir, train_steps=100,
-                     eval_every=10, learning_rate=0.0,
-                     best_metric="accuracy", early_stopping_patience=1,
+                     eval_every=10, learning_rate=0.05,
+                     best_metric="accuracy", early_stopping_patience=2,
                      ema_decay=0.5)
-  assert run.step == 20
+  # The best and the stop follow the evals as they came.
+  evals = _evals(f"{model_dir}/eval", "accuracy")
+  best_step, best_value, stop, since = None, -1.0, 100, 0
+  for step, value in evals:
+    if value > best_value:
+      best_step, best_value, since = step, value, 0
+    else:
+      since += 1
+      if since == 2:
+        stop = step
+        break
+  assert run.step == stop and evals[-1][0] == stop
   best = json.loads(tf.io.gfile.GFile(
       f"{model_dir}/best_checkpoint/best.json").read())
-  assert best["step"] == 10 and best["evals_without_improvement"] == 1
+  assert best["step"] == best_step
+  assert best["value"] == pytest.approx(best_value, abs=1e-6)
   assert tf.io.gfile.exists(f"{model_dir}/best_export/saved_model.pb")
   again = tfdist.train(**common, model_dir=model_dir, mode="eval",
                        ema_decay=0.5)
   assert again.eval_metrics == pytest.approx(run.eval_metrics, abs=1e-6)
+  raw = tfdist.train(**common, model_dir=model_dir, mode="eval")
+  assert raw.eval_metrics["loss"] != pytest.approx(
+      run.eval_metrics["loss"], abs=1e-4)  # The average was swapped in.
+  best_raw = tfdist.train(
+      **common, model_dir=model_dir, mode="eval",
+      checkpoint=f"{model_dir}/best_checkpoint/ckpt-{best_step}")
   warm = tfdist.train(**common, model_dir=str(tmp_path / "warm"),
                       train_steps=10, learning_rate=0.0, eval_every=0,
                       init_checkpoint=f"{model_dir}/best_checkpoint")
-  assert warm.eval_metrics["accuracy"] == pytest.approx(
-      run.eval_metrics["accuracy"], abs=1e-6)
-  assert sorted(os.listdir(tmp_path)) == ["d", "warm"]  # No "ram:" dir.
+  assert warm.eval_metrics["loss"] == pytest.approx(
+      best_raw.eval_metrics["loss"], abs=1e-6)
+  cold = tfdist.train(**common, model_dir=str(tmp_path / "cold"),
+                      train_steps=10, learning_rate=0.0, eval_every=0)
+  assert cold.eval_metrics["loss"] != pytest.approx(
+      warm.eval_metrics["loss"], abs=1e-3)  # The warm start loaded.
+  assert sorted(os.listdir(tmp_path)) == ["cold", "d", "warm"]
 
 
 class _UnusedBranchTask:

@@ -153,6 +153,13 @@ def test_elastic_job_grows_and_shrinks_with_discovery(sshd, tmp_path,
   assert code == 0, output[-3000:]
   assert "discovery offers 2 worker slot(s): starting with 2" in output
   assert "membership change: 2 -> 3 workers" in output
+  # The resize's SIGTERM reached the remote tasks (not ssh's SIGHUP): the
+  # group saved its step, and the new group resumed from it.
+  saved = re.findall(r"worker:0 \| .*checkpoint saved at step (\d+)",
+                     output)
+  assert saved, output[-3000:]
+  assert (f"Resumed from {model_dir}/ckpt-{saved[0]} at step {saved[0]}"
+          in output), output[-3000:]
   assert "membership change: 3 -> 2 workers" in output, output[-3000:]
   assert f"worker:0 | Finished at step {steps}/{steps}" in output
   sizes = [v for _, v in artifacts.scalars(

@@ -283,3 +283,65 @@ def test_a_plot_without_matplotlib_is_one_line_before_any_run():
   assert proc.returncode == 2
   assert proc.stderr == ("tfdist: error: plots need matplotlib: pip install "
                          "-e '.[plots]'\n")
+
+
+class _Killed(BaseException):
+  """Stands for a SIGKILL: nothing after it runs, no cleanup either."""
+
+
+@pytest.mark.parametrize("root", ["local", "ram://tfdist-replace"])
+def test_a_replace_cut_short_anywhere_is_finished_whole(tmp_path,
+                                                        monkeypatch, root):
+  """replace_tree is cut at each of its renames in turn (the export's
+  replace, on a local disk and ram://); finish_replace then leaves
+  exactly the new tree, and nothing beside it."""
+  from tfdist import storage  # pylint: disable=g-import-not-at-top
+  base = str(tmp_path) if root == "local" else f"{root}/{tmp_path.name}"
+  old = {"saved_model.pb": "old", "variables/variables.index": "o1",
+         "assets/a.txt": "o2"}
+  new = {"saved_model.pb": "new", "variables/variables.index": "n1",
+         "variables/variables.data-00000-of-00001": "n2"}
+
+  def write(tree, files):
+    for name, text in files.items():
+      tf.io.gfile.makedirs(storage.join(tree, name).rpartition("/")[0])
+      with tf.io.gfile.GFile(storage.join(tree, name), "w") as f:
+        f.write(text)
+
+  def read(tree):
+    found = {}
+    for directory, _, files in tf.io.gfile.walk(tree):
+      for name in files:
+        path = storage.join(directory, name)
+        with tf.io.gfile.GFile(path) as f:
+          found[path[len(tree) + 1:]] = f.read()
+    return found
+
+  real_rename = tf.io.gfile.rename
+  for cut in range(1, 20):
+    target = storage.join(base, f"cut{cut}", "export")
+    staging = storage.staging_path(target)
+    write(target, old)
+    write(staging, new)
+    renames = []
+
+    def rename(source, dest, overwrite=False):
+      renames.append(source)
+      if len(renames) == cut:
+        raise _Killed()
+      real_rename(source, dest, overwrite=overwrite)
+
+    monkeypatch.setattr(tf.io.gfile, "rename", rename)
+    try:
+      storage.replace_tree(staging, target)
+      finished = True
+    except _Killed:
+      finished = False
+    monkeypatch.setattr(tf.io.gfile, "rename", real_rename)
+    storage.finish_replace(target)
+    assert read(target) == new, cut
+    assert not tf.io.gfile.exists(staging)
+    assert not tf.io.gfile.exists(storage._previous_path(target))  # pylint: disable=protected-access
+    if finished:
+      break
+  assert finished and cut > 6  # Every rename of the replace was cut once.

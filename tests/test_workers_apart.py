@@ -65,24 +65,29 @@ class Workers:
         proc.wait()
 
 
+@pytest.mark.parametrize("extra", [[], ["--shard_optimizer"]],
+                         ids=["plain", "shard_optimizer"])
 def test_workers_without_a_shared_disk_take_the_chiefs_state(tmp_path,
-                                                             data_dir):
+                                                             data_dir,
+                                                             extra):
   """The chief's model_dir holds ckpt-100, worker 1's is empty. Worker 1
   takes the chief's weights, slots and step, says so, and the run ends
-  with the weights of the same resume on a shared model_dir."""
+  with the weights of the same resume on a shared model_dir. Sharded
+  (Adam's moments split between the workers), worker 1 takes its shard
+  of the chief's restored moments."""
   shared = str(tmp_path / "shared")
-  run_launcher(["--workers=2"], [*MWMS, f"--data_dir={data_dir}",
+  run_launcher(["--workers=2"], [*MWMS, *extra, f"--data_dir={data_dir}",
                                  "--train_steps=100",
                                  f"--model_dir={shared}"])
   chief_dir, reference = tmp_path / "chief", tmp_path / "reference"
   shutil.copytree(shared, chief_dir)
   shutil.copytree(shared, reference)
-  run_launcher(["--workers=2"], [*MWMS, f"--data_dir={data_dir}",
+  run_launcher(["--workers=2"], [*MWMS, *extra, f"--data_dir={data_dir}",
                                  "--train_steps=160",
                                  f"--model_dir={reference}"])
 
   workers = Workers(tmp_path, [chief_dir, tmp_path / "empty"],
-                    [f"--data_dir={data_dir}", "--train_steps=160",
+                    [*extra, f"--data_dir={data_dir}", "--train_steps=160",
                      "--collective_timeout=120"])
   try:
     codes = workers.finish()

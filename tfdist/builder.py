@@ -6,6 +6,7 @@ the export: made here, then handed to tfdist.trainer.Trainer.
 """
 
 import contextlib
+import dataclasses
 import functools
 
 from absl import logging
@@ -249,19 +250,31 @@ def _memory_per_device(model, optimizer, strategy, shard_optimizers=()):
   return scalars
 
 
-def build_trainer(config, info, task, *, write_dir, callbacks=()):
-  """Every part of a run, handed to a Trainer."""
-  local = devices.local_devices()
-  preflight.check_run(config, info, local)
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+  """The model and what updates it: made under the strategy's scope."""
+
+  model: object
+  optimizer: object
+  schedule: dict
+  global_step: object
+  reducer: object
+  sharded: object  # A ShardedUpdate with --shard_optimizer, else None.
+
+
+def _inputs(config, info, task):
   if task.controls_input:
-    inputs = data.inputs_from_task(task, global_batch_size=config.batch_size,
-                                   eval_steps_requested=config.eval_steps)
-  else:
-    inputs = data.inputs_from_dataset(
-        task.data(), global_batch_size=config.batch_size,
-        eval_steps_requested=config.eval_steps,
-        sharding=config.input_sharding, num_hosts=info.num_workers)
-  sample = inputs.sample
+    return data.inputs_from_task(task, global_batch_size=config.batch_size,
+                                 eval_steps_requested=config.eval_steps)
+  return data.inputs_from_dataset(
+      task.data(), global_batch_size=config.batch_size,
+      eval_steps_requested=config.eval_steps,
+      sharding=config.input_sharding, num_hosts=info.num_workers)
+
+
+def _model_and_optimizer(config, info, task, sample):
+  """The model, the optimizer and, with --shard_optimizer, the sharded
+  update that holds the optimizer's state instead."""
   strategy = info.strategy
   with strategy.scope():
     model = build_model(config, task, sample)
@@ -289,59 +302,73 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
             weight_decay=config.weight_decay))
   if config.allreduce_compression != "none" and info.num_replicas > 1:
     logging.info("%s.", reducer.describe())
-  example = check_model_fits_data(task, model, sample)
+  return _Parts(model=model, optimizer=optimizer, schedule=schedule,
+                global_step=global_step, reducer=reducer, sharded=sharded)
+
+
+def _loops(config, info, task, parts, sample, local):
+  example = check_model_fits_data(task, parts.model, sample)
   class_weight = config_lib.class_weights(config.class_weight)
   if class_weight:
     _check_integer_labels(sample[1])
-  metrics = compiled_loops.Metrics(task.metrics(), example=example)
-  loops = compiled_loops.LoopFunctions(
-      strategy=strategy, model=model, optimizer=optimizer, task=task,
-      metrics=metrics, global_batch_size=config.batch_size,
-      steps_per_loop=config.steps_per_loop, global_step=global_step,
+  return compiled_loops.LoopFunctions(
+      strategy=info.strategy, model=parts.model, optimizer=parts.optimizer,
+      task=task, metrics=compiled_loops.Metrics(task.metrics(),
+                                                example=example),
+      global_batch_size=config.batch_size,
+      steps_per_loop=config.steps_per_loop, global_step=parts.global_step,
       grad_accum_steps=config.grad_accum_steps, clip_norm=config.clip_norm,
-      reducer=reducer, class_weight=class_weight, sharded=sharded,
+      reducer=parts.reducer, class_weight=class_weight,
+      sharded=parts.sharded,
       jit_compile=preflight.jit_mode(config, info, local))
-  runner = runners.create(info, loops, train_feed=config.train_feed)
-  store = checkpoints.CheckpointStore(
+
+
+def _checkpoint_store(config, task, parts, write_dir):
+  sharded = parts.sharded
+  return checkpoints.CheckpointStore(
       checkpoint=tf.train.Checkpoint(
-          model=model, step=global_step,
+          model=parts.model, step=parts.global_step,
           optimizer=sharded.checkpoint_view(
-              optimizer, model.trainable_variables) if sharded
-          else optimizer),
+              parts.optimizer, parts.model.trainable_variables) if sharded
+          else parts.optimizer),
       saving=sharded.saving if sharded else contextlib.nullcontext,
       model_dir=config.model_dir, write_dir=write_dir,
       keep=config.keep_checkpoints,
       signature=checkpoints.model_signature(
-          model_name=task.display_name, model=model,
+          model_name=task.display_name, model=parts.model,
           num_classes=getattr(task, "num_classes", None)),
-      run_record={"schedule": schedule})
-  checker = (replica_check.ReplicaChecker(
-      strategy=strategy, variables=model.weights,
-      replicas_per_worker=max(info.num_replicas // info.num_workers, 1))
-             if config.check_replicas_every else None)
-  if info.coordinator:
-    _log_ps_placement(model)
-  startup_scalars = {}
+      run_record={"schedule": parts.schedule})
+
+
+def _startup_scalars(info, parts):
+  scalars = {}
   if info.name in ("multi_worker_mirrored", "parameter_server"):
     # An elastic job's size over time (tools.chaos --elastic, launch.local
     # --workers=MIN:MAX): one point per (re)start.
-    startup_scalars["workers"] = info.num_workers
-  startup_scalars.update(_memory_per_device(
-      model, optimizer, strategy,
-      shard_optimizers=sharded.optimizers if sharded else ()))
+    scalars["workers"] = info.num_workers
+  scalars.update(_memory_per_device(
+      parts.model, parts.optimizer, info.strategy,
+      shard_optimizers=parts.sharded.optimizers if parts.sharded else ()))
+  return scalars
 
+
+def _after_restore_fn(config, parts, store):
   def after_restore():
     # PowerSGD's error buffers belong to the run that wrote the checkpoint.
-    reducer.reset()
+    parts.reducer.reset()
     _log_schedule_change((store.previous_run or {}).get("schedule"),
-                         schedule, int(global_step.numpy()))
+                         parts.schedule, int(parts.global_step.numpy()))
     # A constant rate is a variable in the checkpoint; the flag given now
     # wins. A schedule is a function of the restored step.
-    if schedule["schedule"] == "constant" and not schedule["warmup_steps"]:
-      optimizer.learning_rate.assign(config.learning_rate)
-    if sharded:
-      sharded.scatter_restored()
+    if (parts.schedule["schedule"] == "constant"
+        and not parts.schedule["warmup_steps"]):
+      parts.optimizer.learning_rate.assign(config.learning_rate)
+    if parts.sharded:
+      parts.sharded.scatter_restored()
+  return after_restore
 
+
+def _export_fn(config, task, parts, inputs, write_dir):
   def export_now(best=False):
     if not config.export:
       return None
@@ -349,18 +376,23 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
     # write_dir is model_dir.
     export_dir = storage.join(
         write_dir, best_lib.BEST_EXPORT_DIR if best else "export")
-    with ema.averaged_weights(optimizer):
+    with ema.averaged_weights(parts.optimizer):
       export.export_saved_model(
-          model, serving_outputs=task.serving_outputs,
+          parts.model, serving_outputs=task.serving_outputs,
           features_spec=inputs.features_spec, export_dir=export_dir,
           input_name="images" if inputs.image_input else "features")
     logging.info("Exported SavedModel to %s.", export_dir)
     return export_dir
+  return export_now
 
-  # A training run that does not evaluate as it goes (--mode=train or
-  # --eval_every=0) leaves the best and early stopping to the sidecar
-  # evaluator (or a --mode=continuous_eval process): two trackers would
-  # both write best_checkpoint. It stops when best.json says so.
+
+def _best_and_callbacks(config, info, parts, store, metric_names, callbacks):
+  """The best tracker (or None) and the Keras callbacks (or None).
+
+  A training run that does not evaluate as it goes (--mode=train or
+  --eval_every=0) leaves the best and early stopping to the sidecar
+  evaluator (or a --mode=continuous_eval process): two trackers would
+  both write best_checkpoint. It stops when best.json says so."""
   evaluates_elsewhere = info.reason != "sidecar evaluator" and (
       config.mode == "train" or (config.mode == "train_and_eval"
                                  and not config.eval_every))
@@ -371,7 +403,7 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
         mode=metric_direction.resolve_mode(config.best_metric,
                                            config.best_mode),
         patience=config.early_stopping_patience,
-        metric_names=("loss", *metrics.names))
+        metric_names=("loss", *metric_names))
   if evaluates_elsewhere and tracker:
     tracker = None
     logging.info("--best_metric: this run makes no evals as it goes "
@@ -382,17 +414,45 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
   if config.early_stopping_patience and evaluates_elsewhere:
     callbacks = [*callbacks, best_lib.SidecarStop(
         read_state=store.read_best_state, metric=config.best_metric,
-        checkpoint_every=config.checkpoint_every, global_step=global_step)]
-  keras_callbacks = None
-  if callbacks:
-    keras_callbacks = callbacks_lib.Callbacks(
-        callbacks, model=model, optimizer=optimizer, is_chief=info.is_chief,
-        train_steps=config.train_steps,
-        sync=callbacks_lib.chief_values(strategy) if info.peers else None)
+        checkpoint_every=config.checkpoint_every,
+        global_step=parts.global_step)]
+  if not callbacks:
+    return tracker, None
+  return tracker, callbacks_lib.Callbacks(
+      callbacks, model=parts.model, optimizer=parts.optimizer,
+      is_chief=info.is_chief, train_steps=config.train_steps,
+      sync=callbacks_lib.chief_values(info.strategy) if info.peers else None)
 
+
+def _chief_broadcast(info, parts, tracker):
+  """Multi-worker: every worker takes the chief's state after the
+  restore (no shared disk)."""
+  if not info.peers:
+    return None
+  return replica_check.ChiefBroadcast(
+      strategy=info.strategy, variables=[
+          *parts.model.weights, *parts.optimizer.variables,
+          parts.global_step, *(tracker.variables if tracker else ())],
+      then=parts.sharded.share_restored if parts.sharded else None)
+
+
+def build_trainer(config, info, task, *, write_dir, callbacks=()):
+  """Every part of a run, handed to a Trainer."""
+  local = devices.local_devices()
+  preflight.check_run(config, info, local)
+  inputs = _inputs(config, info, task)
+  parts = _model_and_optimizer(config, info, task, inputs.sample)
+  loops = _loops(config, info, task, parts, inputs.sample, local)
+  store = _checkpoint_store(config, task, parts, write_dir)
+  if info.coordinator:
+    _log_ps_placement(parts.model)
+  tracker, keras_callbacks = _best_and_callbacks(
+      config, info, parts, store, loops.metrics.names, callbacks)
+  model, optimizer = parts.model, parts.optimizer
   return trainer_lib.Trainer(
       options=trainer_lib.LoopOptions.from_config(config), model=model,
-      optimizer=optimizer, global_step=global_step, runner=runner,
+      optimizer=optimizer, global_step=parts.global_step,
+      runner=runners.create(info, loops, train_feed=config.train_feed),
       loops=loops, checkpoints=store,
       summaries=summaries_lib.Summaries(
           config.model_dir, enabled=info.is_chief,
@@ -401,15 +461,16 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
       describe=(f"{task.display_name} on {inputs.name} with {info.name} "
                 f"over {info.num_replicas} replica(s)"),
       learning_rate=functools.partial(_learning_rate_at, optimizer,
-                                      schedule),
-      replica_checker=checker, export_fn=export_now,
-      after_restore=after_restore, hparams=config.to_dict(),
-      startup_scalars=startup_scalars,
-      chief_broadcast=(replica_check.ChiefBroadcast(
-          strategy=strategy, variables=[
-              *model.weights, *optimizer.variables, global_step,
-              *(tracker.variables if tracker else ())])
-                       if info.peers else None),
+                                      parts.schedule),
+      replica_checker=(replica_check.ReplicaChecker(
+          strategy=info.strategy, variables=model.weights,
+          replicas_per_worker=max(info.num_replicas // info.num_workers, 1))
+                       if config.check_replicas_every else None),
+      export_fn=_export_fn(config, task, parts, inputs, write_dir),
+      after_restore=_after_restore_fn(config, parts, store),
+      hparams=config.to_dict(),
+      startup_scalars=_startup_scalars(info, parts),
+      chief_broadcast=_chief_broadcast(info, parts, tracker),
       callbacks=keras_callbacks, best=tracker,
       eval_weights=functools.partial(ema.averaged_weights, optimizer),
       warm_start=(functools.partial(

@@ -150,23 +150,29 @@ class CheckpointStore:
     return path
 
   def keep_best(self, path, state):
-    """Copies checkpoint `path` to model_dir/best_checkpoint (replacing
-    the one there), with `state` in best.json: --keep_checkpoints never
-    deletes it. The chief's copy only (other workers write nowhere
-    shared)."""
+    """Copies checkpoint `path` to model_dir/best_checkpoint, with `state`
+    in best.json: --keep_checkpoints never deletes it. The chief's copy
+    only (other workers write nowhere shared).
+
+    The new checkpoint's files go in beside the old one's; then the
+    `checkpoint` index names it (one renamed file); only then do the old
+    files go. A kill at any point leaves the index naming a whole
+    checkpoint."""
     if self._write_dir != self._model_dir:
       return None
     best_dir = storage.join(self._model_dir, BEST_DIR)
-    storage.remove_tree(best_dir)
     tf.io.gfile.makedirs(best_dir)
     prefix = path.rsplit("/", 1)[-1]
     for source in tf.io.gfile.glob(f"{path}.*"):
-      tf.io.gfile.copy(source, storage.join(best_dir,
-                                            source.rsplit("/", 1)[-1]))
+      tf.io.gfile.copy(source, storage.join(
+          best_dir, source.rsplit("/", 1)[-1]), overwrite=True)
     storage.write_text(storage.join(best_dir, "checkpoint"),
                        f'model_checkpoint_path: "{prefix}"\n'
                        f'all_model_checkpoint_paths: "{prefix}"\n')
     self._write_json(storage.join(BEST_DIR, BEST_FILE), state)
+    for old in tf.io.gfile.glob(storage.join(best_dir, "ckpt-*")):
+      if not old.rsplit("/", 1)[-1].startswith(f"{prefix}."):
+        tf.io.gfile.remove(old)
     return storage.join(best_dir, prefix)
 
   def update_best_state(self, state):

@@ -66,10 +66,13 @@ class ChiefBroadcast:
   every replica but replica 0 contributes zeros.
   """
 
-  def __init__(self, *, strategy, variables):
+  def __init__(self, *, strategy, variables, then=None):
     self._strategy = strategy
     self._variables = list(variables)
     self._broadcast = tf.function(self._reduced_values)
+    # A collective of the same kind for state that is no variable here:
+    # the whole slots a sharded optimizer restored (share_restored).
+    self._then = then
 
   def _from_replica_zero(self):
     context = tf.distribute.get_replica_context()
@@ -102,4 +105,6 @@ class ChiefBroadcast:
       if not np.array_equal(np.asarray(variable.numpy()), local.numpy()):
         changed.append(getattr(variable, "path", variable.name))
         variable.assign(local)
+    if self._then:
+      self._then()
     return changed

@@ -101,9 +101,15 @@ def plain_input_context(strategy):
       tf.DeviceSpec.from_string(devices[0]).device_type != "CPU"):
     return None
   # MultiWorkerMirrored's own context (pipelines = workers, this task's
-  # id); MirroredStrategy's is one pipeline.
-  make = getattr(strategy.extended, "_make_input_context", None)
-  if make is not None:
+  # id); MirroredStrategy's is one pipeline. One pipeline on several
+  # workers would give each the same slice: no silent fallback.
+  if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    make = getattr(strategy.extended, "_make_input_context", None)
+    if make is None:
+      raise TfdistError(
+          "this TensorFlow has no MultiWorkerMirroredStrategy."
+          "extended._make_input_context, which the plain train feed needs "
+          "to know this worker's slice: use --train_feed=distributed.")
     return make()
   return tf.distribute.InputContext(
       num_input_pipelines=1, input_pipeline_id=0,

@@ -256,6 +256,41 @@ class ShardedUpdate:
     finally:
       self._gathered = None
 
+  def share_restored(self):
+    """Every worker calls this after its restore: each takes the whole
+    slots replica 0 (the chief) restored, so that a worker whose own
+    model_dir holds no checkpoint (no shared disk) does not train with
+    zero slots. One all-reduce of the whole state, once."""
+    count = self._slot_count()
+    if not count:
+      return
+    length = self._layout.size
+    mine = np.zeros([count * length + 1], np.float32)
+    if self.restored:
+      mine[:-1] = np.concatenate([self._layout.flatten_numpy(
+          [self.restored[(v, k)] for v in range(len(self._variables))])
+                                  for k in range(count)])
+      mine[-1] = 1.0
+
+    @tf.function
+    def from_replica_zero(values):
+      def replica_fn():
+        context = tf.distribute.get_replica_context()
+        is_source = tf.equal(context.replica_id_in_sync_group, 0)
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.where(
+            is_source, values, tf.zeros_like(values)))
+      return self._strategy.experimental_local_results(
+          self._strategy.run(replica_fn))[0]
+
+    shared = from_replica_zero(tf.constant(mine)).numpy()
+    if shared[-1] == 0:  # The chief restored nothing.
+      self.restored = {}
+      return
+    for k in range(count):
+      pieces = self._layout.unflatten_numpy(shared[k * length:][:length])
+      for v, piece in enumerate(pieces):
+        self.restored[(v, k)] = piece
+
   def scatter_restored(self):
     """After a restore: each local shard takes its slice of the restored
     whole slots, and every shard optimizer the run's step count."""

@@ -175,19 +175,92 @@ def _accuracy(lines):
   return float(found[-1].group(3)) if found else None
 
 
+def _baseline_accuracy(args, launcher):
+  """The eval accuracy of the same flags without faults."""
+  base_dir = args.model_dir.rstrip("/") + "_baseline"
+  train = [a if not a.startswith("--model_dir=") else
+           f"--model_dir={base_dir}" for a in args.train_args]
+  with tempfile.TemporaryDirectory(prefix="tfdist-chaos-") as scratch:
+    base = _Job(launcher, train, scratch)
+    base.wait()
+  return _accuracy(base.lines)
+
+
+def _one_fault(job, args, rng, slots, since_start):
+  """Injects one fault: a new slot count (elastic, half the time) or a
+  signal to a random task. Returns its record, or None when the task
+  drawn is between its exit and its restart."""
+  if args.worker_range and rng.random() < 0.5:
+    count = rng.randint(*args.worker_range)
+    with open(slots, "w") as f:
+      f.write(f"localhost:{count}\n")
+    return {"at": since_start, "task": "slots", "signal": f"{count}"}
+  if not job.tasks:
+    return None
+  name = rng.choice(sorted(job.tasks))
+  signum = rng.choice([signal.SIGKILL, signal.SIGTERM])
+  try:
+    os.kill(job.tasks[name], signum)
+  except ProcessLookupError:
+    return None
+  return {"at": since_start, "task": name,
+          "signal": signal.Signals(signum).name}
+
+
+def _inject_until_done(job, args, rng, slots, gate, report, out):
+  """Faults at random intervals for --duration seconds; then the gate
+  goes and the job may finish."""
+  started = time.monotonic()
+  next_fault = started + rng.uniform(*args.kill_range)
+  while job.proc.poll() is None:
+    now = time.monotonic()
+    if now - started >= args.duration and os.path.exists(gate):
+      os.remove(gate)  # The faults are done: the job may finish.
+      print(f"[chaos] {now - started:6.1f}s faults done; the job "
+            "finishes", file=out, flush=True)
+    if (now >= next_fault and now - started < args.duration
+        and (job.tasks or args.worker_range)):
+      fault = _one_fault(job, args, rng, slots, round(now - started, 1))
+      if fault is None:
+        next_fault = now + 1.0  # Between a task's exit and its restart.
+      else:
+        report["faults"].append(fault)
+        shown = (f"slots -> {fault['signal']}" if fault["task"] == "slots"
+                 else f"{fault['signal']} -> {fault['task']}")
+        print(f"[chaos] {now - started:6.1f}s {shown}", file=out,
+              flush=True)
+        next_fault = now + rng.uniform(*args.kill_range)
+    time.sleep(0.1)
+  report["exit_code"] = job.wait()
+  report["seconds"] = round(time.monotonic() - started, 1)
+
+
+def _what_was_lost(report, args):
+  lost = []
+  if report["exit_code"] != 0:
+    lost.append(f"exit code {report['exit_code']}")
+  if report["checkpoint_step"] != args.train_steps:
+    lost.append(f"checkpoint at step {report['checkpoint_step']}, not "
+                f"{args.train_steps}")
+  if not report["export_predicts"]:
+    lost.append("the export does not load and predict")
+  if report["leftover_processes"] or report["leftover_files"] or (
+      report["leftover_namespace"]):
+    lost.append("something was left behind")
+  base = report.get("baseline_accuracy")
+  if base is not None and (report["accuracy"] is None or
+                           abs(report["accuracy"] - base) > 0.01):
+    lost.append(f"accuracy {report['accuracy']} vs fault-free {base}")
+  return lost
+
+
 def run_chaos(args, out=sys.stdout):
   rng = random.Random(args.seed)
   launcher = [*args.launcher_args, "--max_restarts=1000",
               "--backoff_seconds=0.5", "--stop_grace_seconds=10"]
   report = {"seed": args.seed, "duration": args.duration, "faults": []}
   if args.baseline:
-    base_dir = args.model_dir.rstrip("/") + "_baseline"
-    train = [a if not a.startswith("--model_dir=") else
-             f"--model_dir={base_dir}" for a in args.train_args]
-    with tempfile.TemporaryDirectory(prefix="tfdist-chaos-") as scratch:
-      base = _Job(launcher, train, scratch)
-      base.wait()
-    report["baseline_accuracy"] = _accuracy(base.lines)
+    report["baseline_accuracy"] = _baseline_accuracy(args, launcher)
   with tempfile.TemporaryDirectory(prefix="tfdist-chaos-") as scratch:
     slots = os.path.join(scratch, "slots")
     if args.worker_range:
@@ -197,40 +270,7 @@ def run_chaos(args, out=sys.stdout):
     gate = os.path.join(scratch, "gate")
     open(gate, "w").close()
     job = _Job(launcher, [*args.train_args, HOLD_CALLBACK], scratch, gate)
-    started = time.monotonic()
-    next_fault = started + rng.uniform(*args.kill_range)
-    while job.proc.poll() is None:
-      now = time.monotonic()
-      if now - started >= args.duration and os.path.exists(gate):
-        os.remove(gate)  # The faults are done: the job may finish.
-        print(f"[chaos] {now - started:6.1f}s faults done; the job "
-              "finishes", file=out, flush=True)
-      due = now >= next_fault and now - started < args.duration
-      if due and args.worker_range and rng.random() < 0.5:
-        count = rng.randint(*args.worker_range)
-        with open(slots, "w") as f:
-          f.write(f"localhost:{count}\n")
-        report["faults"].append({"at": round(now - started, 1),
-                                 "task": "slots", "signal": f"{count}"})
-        print(f"[chaos] {now - started:6.1f}s slots -> {count}", file=out,
-              flush=True)
-        next_fault = now + rng.uniform(*args.kill_range)
-      elif due and job.tasks:
-        name = rng.choice(sorted(job.tasks))
-        signum = rng.choice([signal.SIGKILL, signal.SIGTERM])
-        try:
-          os.kill(job.tasks[name], signum)
-          report["faults"].append({"at": round(now - started, 1),
-                                   "task": name,
-                                   "signal": signal.Signals(signum).name})
-          print(f"[chaos] {now - started:6.1f}s {signal.Signals(signum).name}"
-                f" -> {name}", file=out, flush=True)
-          next_fault = now + rng.uniform(*args.kill_range)
-        except ProcessLookupError:
-          next_fault = now + 1.0  # Between a task's exit and its restart.
-      time.sleep(0.1)
-    report["exit_code"] = job.wait()
-    report["seconds"] = round(time.monotonic() - started, 1)
+    _inject_until_done(job, args, rng, slots, gate, report, out)
     time.sleep(1.0)  # Let the launcher's last children be reaped.
     report["leftover_files"] = sorted(
         f for f in os.listdir(scratch) if f not in ("slots", "gate"))
@@ -247,22 +287,7 @@ def run_chaos(args, out=sys.stdout):
   report["train_steps"] = args.train_steps
   report["accuracy"] = _accuracy(job.lines)
   report["export_predicts"] = _export_predicts(args.model_dir)
-  lost = []
-  if report["exit_code"] != 0:
-    lost.append(f"exit code {report['exit_code']}")
-  if report["checkpoint_step"] != args.train_steps:
-    lost.append(f"checkpoint at step {report['checkpoint_step']}, not "
-                f"{args.train_steps}")
-  if not report["export_predicts"]:
-    lost.append("the export does not load and predict")
-  if report["leftover_processes"] or report["leftover_files"] or (
-      report["leftover_namespace"]):
-    lost.append("something was left behind")
-  base = report.get("baseline_accuracy")
-  if base is not None and (report["accuracy"] is None or
-                           abs(report["accuracy"] - base) > 0.01):
-    lost.append(f"accuracy {report['accuracy']} vs fault-free {base}")
-  report["lost"] = lost
+  report["lost"] = _what_was_lost(report, args)
   _print_report(report, out)
   if args.json:
     with open(args.json, "w") as f:

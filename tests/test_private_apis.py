@@ -1,0 +1,219 @@
+"""Every private TensorFlow or Keras API tfdist relies on, exercised
+directly, so that a release that renames or changes one fails here, by
+name and with the installed versions, before a run trains wrong.
+
+setup.cfg bounds TensorFlow and Keras to the minor versions this file
+has passed (checked at the bottom)."""
+
+import configparser
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import ROOT
+
+VERSIONS = f"TensorFlow {tf.__version__}, Keras {keras.__version__}"
+
+
+def _mirrored(count=2):
+  return tf.distribute.MirroredStrategy(
+      [f"/cpu:{i}" for i in range(count)])
+
+
+def test_replica_id_in_sync_group_is_a_python_int():
+  """collectives and sharded_optimizer index Python lists with it."""
+  strategy = _mirrored()
+
+  def replica_fn():
+    context = tf.distribute.get_replica_context()
+    private = context._replica_id_in_sync_group  # pylint: disable=protected-access
+    assert isinstance(private, int), VERSIONS
+    return tf.constant(private) - context.replica_id_in_sync_group
+
+  values = strategy.experimental_local_results(strategy.run(replica_fn))
+  assert [int(v) for v in values] == [0, 0], VERSIONS
+
+
+def test_collective_launchers_keep_their_keys_and_token():
+  """tfdist.collectives runs its reduce-scatter on the launchers that
+  CollectiveAllReduce keeps, with their own group key, instance keys and
+  ordering token."""
+  from tfdist import collectives  # pylint: disable=g-import-not-at-top
+  strategy = collectives.mirrored_with_collectives(["/cpu:0", "/cpu:1"])
+  launchers = strategy.extended._cross_device_ops._launchers  # pylint: disable=protected-access
+  assert len(launchers) == 2, VERSIONS
+  for launcher in launchers:
+    assert isinstance(launcher._device, str), VERSIONS  # pylint: disable=protected-access
+    assert launcher._group_size == 2, VERSIONS  # pylint: disable=protected-access
+    assert isinstance(launcher._group_key, int), VERSIONS  # pylint: disable=protected-access
+    assert callable(launcher._next_instance_key), VERSIONS  # pylint: disable=protected-access
+    assert callable(launcher._get_ordering_token), VERSIONS  # pylint: disable=protected-access
+  shards = collectives.ShardCollectives(strategy, length=4)
+
+  @tf.function
+  def scatter_and_gather():
+    def replica_fn():
+      context = tf.distribute.get_replica_context()
+      mine = tf.range(4.0) * tf.cast(context.replica_id_in_sync_group + 1,
+                                     tf.float32)
+      shard = shards.reduce_scatter(mine)
+      return shard, shards.all_gather(shard)
+    return strategy.run(replica_fn)
+
+  shard, whole = scatter_and_gather()
+  local = strategy.experimental_local_results
+  np.testing.assert_allclose([s.numpy() for s in local(shard)],
+                             [[0, 3], [6, 9]], err_msg=VERSIONS)
+  for gathered in local(whole):
+    np.testing.assert_allclose(gathered.numpy(), [0, 3, 6, 9],
+                               err_msg=VERSIONS)
+
+
+def test_a_constant_rate_is_the_optimizers_learning_rate_variable():
+  """Callbacks set the rate through it, and checkpoints key it."""
+  from tfdist import callbacks  # pylint: disable=g-import-not-at-top
+  optimizer = keras.optimizers.Adam(0.25)
+  rate = callbacks.rate_variable(optimizer)
+  assert rate is not None, VERSIONS
+  rate.assign(0.5)
+  assert float(optimizer.learning_rate) == 0.5, VERSIONS
+  schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+  assert callbacks.rate_variable(
+      keras.optimizers.Adam(schedule)) is None, VERSIONS
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw",
+                                  "rmsprop"])
+def test_keras_lays_out_slots_variable_after_variable(name):
+  """The sharded optimizer's checkpoints assume Keras's slot layout and
+  names; the check it runs at build passes on every table optimizer."""
+  from tfdist import optimizers  # pylint: disable=g-import-not-at-top
+  from tfdist import sharded_optimizer  # pylint: disable=g-import-not-at-top
+  schedule = {"schedule": "constant", "warmup_steps": 0,
+              "learning_rate": 0.1}
+  make = lambda: optimizers.create(name, schedule=schedule)  # noqa: E731
+  sharded_optimizer._check_slot_layout(make)  # pylint: disable=protected-access
+  built = make()
+  variable = keras.Variable(tf.zeros([3]), name="probe")
+  built.build([variable])
+  assert [v.shape for v in sharded_optimizer.slots(built)] == [
+      (3,)] * len(sharded_optimizer.slots(built)), VERSIONS
+
+
+def test_apply_gradients_reduces_through_the_hook_compression_replaces():
+  """Keras 3's apply_gradients all-reduces by itself, through
+  _all_reduce_sum_gradients; compression replaces that reduction. If the
+  hook were gone or unused, gradients would be reduced twice."""
+  from tfdist import compression  # pylint: disable=g-import-not-at-top
+  strategy = _mirrored()
+  with strategy.scope():
+    variable = keras.Variable(tf.zeros([2]))
+    optimizer = compression.take_over_reduction(
+        keras.optimizers.SGD(1.0))
+    optimizer.build([variable])
+
+  @tf.function
+  def step():
+    def replica_fn():
+      context = tf.distribute.get_replica_context()
+      grad = tf.ones([2]) * tf.cast(context.replica_id_in_sync_group + 1,
+                                    tf.float32)
+      optimizer.apply_gradients([(grad, variable)])
+    strategy.run(replica_fn)
+
+  step()
+  # Each replica applied its own gradient, unreduced: its own -1 or -2
+  # (mirrored values are read from the first replica).
+  np.testing.assert_allclose(variable.numpy(), [-1.0, -1.0],
+                             err_msg=VERSIONS)
+
+
+def test_dataset_variant_tensor_serializes_to_a_graph():
+  """tfdist.data ships in-memory datasets to PS workers as their graph."""
+  dataset = tf.data.Dataset.range(5).map(lambda x: x * 2)
+  graph = tf.raw_ops.DatasetToGraphV2(
+      input_dataset=dataset._variant_tensor)  # pylint: disable=protected-access
+  rebuilt = tf.data.experimental.from_variant(
+      tf.raw_ops.DatasetFromGraph(graph_def=graph),
+      structure=dataset.element_spec)
+  assert list(rebuilt.as_numpy_iterator()) == [0, 2, 4, 6, 8], VERSIONS
+
+
+def test_flatten_layers_reaches_nested_batch_normalization():
+  """--sync_batchnorm finds BatchNormalization layers inside blocks."""
+  inner = keras.Sequential([keras.layers.Dense(2),
+                            keras.layers.BatchNormalization()])
+  model = keras.Sequential([keras.Input([3]), inner,
+                            keras.layers.BatchNormalization()])
+  found = [layer for layer in model._flatten_layers()  # pylint: disable=protected-access
+           if isinstance(layer, keras.layers.BatchNormalization)]
+  assert len(found) == 2, VERSIONS
+
+
+def test_ema_keeps_one_average_per_trainable_variable():
+  """tfdist.ema swaps the averages in for evals and exports."""
+  from tfdist import ema  # pylint: disable=g-import-not-at-top
+  variable = keras.Variable(tf.ones([2]), name="weights")
+  optimizer = keras.optimizers.SGD(0.5, use_ema=True, ema_momentum=0.5,
+                                   ema_overwrite_frequency=None)
+  optimizer.build([variable])
+  averages = optimizer._model_variables_moving_average  # pylint: disable=protected-access
+  assert len(averages) == 1, VERSIONS
+  optimizer.apply_gradients([(tf.ones([2]), variable)])
+  optimizer.apply_gradients([(tf.ones([2]), variable)])
+  raw = variable.numpy()
+  with ema.averaged_weights(optimizer):
+    averaged = variable.numpy()
+  np.testing.assert_allclose(averaged, averages[0].numpy(), err_msg=VERSIONS)
+  assert not np.allclose(averaged, raw), VERSIONS
+  np.testing.assert_allclose(variable.numpy(), raw, err_msg=VERSIONS)
+
+
+_MULTI_WORKER_CHECK = """
+import tensorflow as tf
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+from tfdist import runners
+context = runners.plain_input_context(strategy)
+print(context.num_input_pipelines, context.input_pipeline_id,
+      context.num_replicas_in_sync)
+"""
+
+
+def test_multi_worker_input_context_names_this_workers_slice():
+  """The plain train feed of MultiWorkerMirrored takes this worker's
+  InputContext from extended._make_input_context (2 workers: pipeline 0
+  and 1 of 2); without it tfdist stops, since a one-pipeline fallback
+  would give every worker the same slice."""
+  import json  # pylint: disable=g-import-not-at-top
+  import portpicker  # pylint: disable=g-import-not-at-top
+  from tfdist import cluster  # pylint: disable=g-import-not-at-top
+  ports = [portpicker.pick_unused_port() for _ in range(2)]
+  configs = cluster.build_tf_configs(
+      {"worker": [f"127.0.0.1:{port}" for port in ports]})
+  procs = [subprocess.Popen(
+      [sys.executable, "-c", _MULTI_WORKER_CHECK], cwd=ROOT,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env={**os.environ, "TF_CONFIG": json.dumps(configs[("worker", i)])})
+           for i in range(2)]
+  outputs = [proc.communicate(timeout=120) for proc in procs]
+  for i, (out, err) in enumerate(outputs):
+    assert procs[i].returncode == 0, err[-2000:]
+    assert out.split() == ["2", str(i), "2"], VERSIONS
+
+
+def test_setup_cfg_bounds_tensorflow_and_keras_to_what_passed_here():
+  config = configparser.ConfigParser()
+  config.read(os.path.join(ROOT, "setup.cfg"))
+  extras = config["options.extras_require"]
+  requires = config["options"]["install_requires"]
+  def next_minor(version):
+    major, minor = version.split(".")[:2]
+    return f"<{major}.{int(minor) + 1}"
+  assert next_minor(tf.__version__) in extras["cpu"], VERSIONS
+  assert next_minor(tf.__version__) in extras["gpu"], VERSIONS
+  assert next_minor(keras.__version__) in requires, VERSIONS
