@@ -47,8 +47,14 @@ from tfdist.errors import PREEMPTED_EXIT_CODE
 # seconds is the job's error (a bad flag, a bug): it ends the job rather
 # than restarting it or dropping a worker.
 JOB_ERROR_WINDOW = 3.0
+# (255: ssh's own failure, such as a lost connection, on every task.)
 _NOT_THE_JOBS_ERROR = (PREEMPTED_EXIT_CODE, PORT_TAKEN_EXIT_CODE,
-                       PEER_LOST_EXIT_CODE)
+                       PEER_LOST_EXIT_CODE, 255)
+# An elastic job stops after more membership changes than this within
+# the window: a group that never holds together. Changes in a row back
+# off as restarts do.
+MAX_MEMBERSHIP_CHANGES = 12
+MEMBERSHIP_WINDOW_SECONDS = 3600.0
 # Relaunches, beyond --max_restarts, after a probed port was taken.
 MAX_PORT_RETRIES = 5
 # An elastic job waits this long at its start for MIN worker slots, as
@@ -105,6 +111,10 @@ def discover_hosts(command, log):
   return hosts
 
 
+class _Unreadable(Exception):
+  """A flagfile this machine cannot read (it may exist on the hosts)."""
+
+
 def _expanded(train_args, depth=0):
   """The train flags with each --flagfile's lines in its place (absl
   reads them so: later flags win)."""
@@ -114,7 +124,7 @@ def _expanded(train_args, depth=0):
         with open(arg.split("=", 1)[1]) as f:
           lines = [line.strip() for line in f]
       except OSError:
-        continue  # The tasks say so, in one line.
+        raise _Unreadable() from None
       yield from _expanded(lines, depth + 1)
     else:
       yield arg
@@ -122,7 +132,8 @@ def _expanded(train_args, depth=0):
 
 def _train_flag(train_args, name):
   """The value tfdist.train takes for --`name`: the last one given, in
-  the flags or a flagfile, else the option's default."""
+  the flags or a flagfile, else the option's default. _Unreadable when a
+  flagfile cannot be read here."""
   value = tfdist_options.BY_NAME[name].default
   for arg in _expanded(train_args):
     if arg.startswith(f"--{name}="):
@@ -137,8 +148,8 @@ def _check_batch_divides(parser, args):
   try:
     batch = int(_train_flag(args.train_args, "batch_size"))
     per_task = int(_train_flag(args.train_args, "num_cpu_devices"))
-  except ValueError:
-    return  # Not a number: the tasks say so, in one line.
+  except (ValueError, _Unreadable):
+    return  # The tasks check it, and say so in one line.
   chief = 1 if args.cluster.chief else 0
   bad = [n for n in range(args.cluster.min_workers,
                           args.cluster.max_workers + 1)
@@ -210,6 +221,7 @@ class Launcher:
     self._resize_to = None  # A size change asked of the running group.
     self._failed_at = None
     self._failed_task = None  # The task whose failure ended an attempt.
+    self._changes = []  # When membership changed, within the window.
     self._job_error = False
 
   def _log(self, message):
@@ -254,9 +266,10 @@ class Launcher:
                   "task; not restarting. Training did not finish.")
         return code
       if self._resize_to is not None:
-        self._change_membership(self._resize_to, "discovery offers "
-                                "that many slots; the group was "
-                                "asked to save its step first")
+        if not self._change_membership(self._resize_to, "discovery offers "
+                                       "that many slots; the group was "
+                                       "asked to save its step first"):
+          return 128 + self._signalled if self._signalled else 1
         restarts = 0
         continue
       if code == PORT_TAKEN_EXIT_CODE and port_retries < MAX_PORT_RETRIES:
@@ -282,9 +295,11 @@ class Launcher:
           return code if code > 0 else 1
         if self._drop_worker and self._failed_task:
           self._drop_worker(self._failed_task.spec)
-        self._change_membership(
+        if not self._change_membership(
             self._cluster.workers - 1,
-            f"{failed} exited with code {code} with no restarts left")
+            f"{failed} exited with code {code} with no restarts left"):
+          return 128 + self._signalled if self._signalled else (
+              code if code > 0 else 1)
         restarts = 0
         continue
       if restarts >= self._args.max_restarts:
@@ -301,12 +316,34 @@ class Launcher:
         return 128 + self._signalled
 
   def _change_membership(self, workers, why):
+    """Resizes the group; False when the job must stop instead: more
+    than MAX_MEMBERSHIP_CHANGES within MEMBERSHIP_WINDOW_SECONDS (a group
+    that never holds together, such as a host that fails each time
+    discovery offers it again), or a signal during the backoff."""
+    now = time.monotonic()
+    self._changes = [t for t in self._changes
+                     if now - t < MEMBERSHIP_WINDOW_SECONDS] + [now]
+    if len(self._changes) > MAX_MEMBERSHIP_CHANGES:
+      self._log(f"{len(self._changes)} membership changes within "
+                f"{MEMBERSHIP_WINDOW_SECONDS / 60:.0f} minutes (the last: "
+                f"{why}): the group does not hold together; stopping. "
+                "Training did not finish.")
+      return False
     old = self._cluster.workers
     self._cluster = dataclasses.replace(self._cluster, workers=workers)
     lost = time.monotonic() - self._failed_at if self._failed_at else 0.0
     self._log(f"membership change: {old} -> {workers} workers ({why}); "
               f"the group restarts from the last checkpoint with a new "
               f"TF_CONFIG (stopping the old group took {lost:.1f}s).")
+    if len(self._changes) == 1:
+      return True
+    # Changes in a row back off as restarts do.
+    delay = min(self._args.backoff_seconds * 2 ** (len(self._changes) - 2),
+                30.0)
+    self._log(f"membership change {len(self._changes)} within "
+              f"{MEMBERSHIP_WINDOW_SECONDS / 60:.0f} minutes: the new group "
+              f"starts in {delay:.1f}s.")
+    return not self._sleep(delay)
 
   def _wait_for_min_slots(self):
     """At the start: runs discovery until it offers at least MIN slots,

@@ -8,6 +8,8 @@ import tempfile
 import threading
 import time
 
+from tfdist.errors import PEER_LOST_EXIT_CODE
+
 _WRITE_LOCK = threading.Lock()
 _PR_SET_PDEATHSIG = 1
 # Tasks that serve others; the job is done when the rest exit 0. (The
@@ -152,17 +154,20 @@ class Job:
       failed = [t for t in watched if t.process.poll() not in (None, 0)]
       if failed:
         # Of the tasks seen failed in one poll, one killed by a signal is
-        # the cause; the others most likely lost it as a peer.
-        task = min(failed, key=lambda t: t.process.poll() >= 0)
+        # the cause, then one with an error of its own; those that lost
+        # a peer come last.
+        task = min(failed, key=lambda t: (
+            t.process.poll() >= 0, t.process.poll() == PEER_LOST_EXIT_CODE))
         return task.process.poll(), task
       time.sleep(self._poll_seconds)
 
   def failed_alike(self, code, timeout):
     """True when every training task exits with `code` within `timeout`
     seconds: an error of the job (a bad flag, a bug), not a lost task."""
-    serving = self._serving_roles()
+    # Not the evaluator: it waits for checkpoints, and fails alone.
+    left_out = (*self._serving_roles(), "evaluator")
     trainers = [t for t in self.tasks
-                if not t.abandoned and t.spec.role not in serving]
+                if not t.abandoned and t.spec.role not in left_out]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
       codes = [t.process.poll() for t in trainers]

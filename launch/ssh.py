@@ -195,8 +195,13 @@ class RemoteProcess:
 
   def wait(self, timeout=None):
     code = self._local.wait(timeout=timeout)
-    for signaller in self._signallers:
-      signaller.wait()
+    for signaller in self._signallers:  # A host gone may never answer.
+      try:
+        signaller.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        signaller.kill()
+        signaller.wait()
+    self._signallers = []
     return code
 
   def send_signal(self, signum):

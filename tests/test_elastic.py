@@ -166,3 +166,26 @@ def test_an_error_every_task_reports_ends_the_job(tmp_path):
             in output), output
     assert "restarting the job" not in output
     assert "membership change" not in output
+
+
+def test_a_worker_that_fails_each_time_it_is_offered_ends_the_job(
+    tmp_path):
+  """Discovery offers worker 1's slot again after each drop, and worker 1
+  dies at once each time: the changes back off, and after
+  MAX_MEMBERSHIP_CHANGES the job stops in one line instead of cycling
+  for ever."""
+  from launch import core  # pylint: disable=g-import-not-at-top
+  slots = tmp_path / "slots"
+  slots.write_text("localhost:2\n")
+  proc = run_launcher(
+      ["--workers=1:2", "--max_restarts=0", "--backoff_seconds=0.001",
+       f"--host_discovery=cat {slots}", "--discovery_seconds=0.2",
+       "--module=tests.flaky_worker", "--stop_grace_seconds=5"],
+      [f"--model_dir={tmp_path / 'x'}"], check=False, timeout=120)
+  output = proc.stdout + proc.stderr
+  assert proc.returncode == 1, output[-3000:]
+  changes = output.count("membership change: ")
+  assert changes == core.MAX_MEMBERSHIP_CHANGES, output[-3000:]
+  assert "the new group starts in" in output  # It backed off.
+  assert (f"{core.MAX_MEMBERSHIP_CHANGES + 1} membership changes within 60 "
+          "minutes") in output and "does not hold together" in output

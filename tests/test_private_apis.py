@@ -7,6 +7,7 @@ has passed (checked at the bottom)."""
 
 import configparser
 import os
+import re
 import subprocess
 import sys
 
@@ -211,9 +212,46 @@ def test_setup_cfg_bounds_tensorflow_and_keras_to_what_passed_here():
   config.read(os.path.join(ROOT, "setup.cfg"))
   extras = config["options.extras_require"]
   requires = config["options"]["install_requires"]
-  def next_minor(version):
+  def below_next_minor(package, version):
     major, minor = version.split(".")[:2]
-    return f"<{major}.{int(minor) + 1}"
-  assert next_minor(tf.__version__) in extras["cpu"], VERSIONS
-  assert next_minor(tf.__version__) in extras["gpu"], VERSIONS
-  assert next_minor(keras.__version__) in requires, VERSIONS
+    return re.compile(rf"^{re.escape(package)}>=[0-9.]+,<{major}\."
+                      rf"{int(minor) + 1}$", re.M)
+  assert below_next_minor("tensorflow-cpu", tf.__version__).search(
+      extras["cpu"]), VERSIONS
+  assert below_next_minor("tensorflow[and-cuda]", tf.__version__).search(
+      extras["gpu"]), VERSIONS
+  assert below_next_minor("keras", keras.__version__).search(
+      requires), VERSIONS
+
+
+def test_tracking_bases_of_the_sharded_checkpoint_view():
+  """The sharded optimizer's checkpoint view is built on TF's tracking
+  bases, under the children names Keras's optimizer has."""
+  assert issubclass(tf.__internal__.tracking.AutoTrackable,
+                    tf.__internal__.tracking.Trackable), VERSIONS
+  optimizer = keras.optimizers.Adam(0.1)
+  optimizer.build([keras.Variable(tf.zeros([2]))])
+  children = tf.train.TrackableView(optimizer).children(optimizer)
+  for name in ("_iterations", "_learning_rate", "_trainable_variables",
+               "_variables"):
+    assert name in children, (name, sorted(children), VERSIONS)
+
+
+def test_checkpoint_object_graph_maps_model_variables():
+  """Warm start finds each model variable's key by walking the
+  checkpoint's object graph (trackable_object_graph_pb2, TrackableView)
+  beside the model, as TF's restore does."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from tfdist import warm_start  # pylint: disable=g-import-not-at-top
+  model = keras.Sequential([keras.Input([3]), keras.layers.Dense(2)])
+  optimizer = keras.optimizers.SGD(0.1)
+  optimizer.build(model.trainable_variables)
+  with tempfile.TemporaryDirectory() as directory:
+    path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
+        f"{directory}/ckpt")
+    reader = tf.train.load_checkpoint(path)
+    keys = warm_start.checkpoint_keys(model, reader)
+    for variable in model.weights:
+      np.testing.assert_array_equal(
+          reader.get_tensor(keys[id(variable)]), variable.numpy(),
+          err_msg=VERSIONS)

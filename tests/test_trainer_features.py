@@ -306,6 +306,22 @@ def test_a_rate_set_at_epoch_begin_reaches_every_worker(
   assert rates == [pytest.approx(0.05 / 3)]  # Epoch 2 began at step 20.
 
 
+def test_a_resumed_run_is_in_the_epoch_its_step_says(tmp_path, data_dir,
+                                                     callbacks_module):
+  """Trained to step 20, then resumed to 30: LearningRateScheduler sees
+  epoch 2 at the resume, as the run that never stopped did (the rate in
+  its last checkpoint is 0.05 / 3, not epoch 0's 0.05)."""
+  outside, _, _ = callbacks_module
+  train = ["--eval_every=10", "--optimizer=sgd", "--learning_rate=0.001",
+           "--callbacks=mycallbacks:schedule"]
+  for steps in (20, 30):
+    run_cli(*_args(tmp_path / "run", data_dir, *train,
+                   f"--train_steps={steps}"), env=_with_path(outside))
+  rates = [v for k, v in artifacts.model_weights(
+      str(tmp_path / "run")).items() if "learning_rate" in k]
+  assert rates == [pytest.approx(0.05 / 3)]
+
+
 def test_a_callback_that_cannot_work_is_one_line(tmp_path, data_dir):
   outside = tmp_path / "user"
   outside.mkdir()

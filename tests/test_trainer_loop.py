@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tfdist import compiled_loops
 from tfdist import loop_wire
+from tfdist import preemption
 from tfdist import data
 from tfdist import trainer as trainer_lib
 from tfdist.errors import NonFiniteLossError
@@ -27,7 +28,10 @@ class FakeRunner:
 
   def preemption_watched(self, *, save_fn, step_fn, grace_seconds):
     del save_fn, step_fn, grace_seconds
-    return contextlib.nullcontext()
+    return contextlib.nullcontext(preemption.Unwatched())
+
+  def stop_if_signalled(self, sums):
+    del sums
 
   def make_iterator(self, input_fn):
     return input_fn

@@ -83,6 +83,36 @@ def test_warm_start_from_keras_files_with_a_new_head(tmp_path, data_dir,
   assert not (started[0] == initial[0]).all()  # The body did change.
 
 
+def test_warm_start_with_a_new_head_of_another_shape(tmp_path):
+  """A tfdist checkpoint of a one-output model warm-starts a two-output
+  one: the skipped head is never read (it keeps its initial values), the
+  body comes from the source. Without the skip: one line, nothing
+  written."""
+  task = ["--task=tests.user_regression:TwoValueTask", "--mode=train",
+          "--train_steps=1", "--learning_rate=0", "--noexport"]
+  source = tmp_path / "source"
+  run_cli(f"--model_dir={source}", "--mode=train", "--train_steps=20",
+          "--task=tests.user_regression:RegressionTask", "--noexport")
+  fresh, warm = tmp_path / "fresh", tmp_path / "warm"
+  run_cli(f"--model_dir={fresh}", *task)
+  proc = run_cli(f"--model_dir={warm}", *task, f"--init_checkpoint={source}",
+                 "--init_checkpoint_skip=(^|/)value/")
+  assert "but 2 variable(s) matching" in proc.stderr, proc.stderr
+  expected, started, initial = (_trainable(d) for d in (source, warm, fresh))
+  heads = [i for i, v in initial.items() if v.shape[-1:] == (2,)]
+  assert len(heads) == 2 and len(started) == len(expected) == 5
+  for index, value in started.items():
+    wanted = initial[index] if index in heads else expected[index]
+    assert (value == wanted).all(), index
+  assert not (started[0] == initial[0]).all()  # The body did change.
+  refused = run_cli(f"--model_dir={tmp_path / 'refused'}", *task,
+                    f"--init_checkpoint={source}", check=False)
+  assert refused.returncode == 2 and "Traceback" not in refused.stderr
+  assert ("does not fit this model (another shape: " in refused.stderr
+          and "--init_checkpoint_skip=REGEX" in refused.stderr)
+  assert not (tmp_path / "refused" / "checkpoint").exists()
+
+
 def test_warm_start_from_nothing_is_one_line(tmp_path, data_dir):
   proc = run_cli(*_args(tmp_path / "run", data_dir,
                         f"--init_checkpoint={tmp_path}/missing"),

@@ -292,9 +292,11 @@ class _Killed(BaseException):
 @pytest.mark.parametrize("root", ["local", "ram://tfdist-replace"])
 def test_a_replace_cut_short_anywhere_is_finished_whole(tmp_path,
                                                         monkeypatch, root):
-  """replace_tree is cut at each of its renames in turn (the export's
-  replace, on a local disk and ram://); finish_replace then leaves
-  exactly the new tree, and nothing beside it."""
+  """replace_tree is cut before each of its renames and removals in turn
+  (the export's replace, on a local disk and ram://). After
+  finish_replace the target is whole: the new tree, or, when the cut
+  came before the replace began, the old one with the new one still
+  staged. Then nothing else is left beside it."""
   from tfdist import storage  # pylint: disable=g-import-not-at-top
   base = str(tmp_path) if root == "local" else f"{root}/{tmp_path.name}"
   old = {"saved_model.pb": "old", "variables/variables.index": "o1",
@@ -317,31 +319,56 @@ def test_a_replace_cut_short_anywhere_is_finished_whole(tmp_path,
           found[path[len(tree) + 1:]] = f.read()
     return found
 
-  real_rename = tf.io.gfile.rename
-  for cut in range(1, 20):
+  real = {name: getattr(tf.io.gfile, name)
+          for name in ("rename", "remove", "rmtree")}
+  for cut in range(1, 40):
     target = storage.join(base, f"cut{cut}", "export")
     staging = storage.staging_path(target)
     write(target, old)
     write(staging, new)
-    renames = []
+    calls = []
 
-    def rename(source, dest, overwrite=False):
-      renames.append(source)
-      if len(renames) == cut:
-        raise _Killed()
-      real_rename(source, dest, overwrite=overwrite)
+    def cut_before(name):
+      def call(*args, **kwargs):
+        calls.append(name)
+        if len(calls) == cut:
+          raise _Killed()
+        return real[name](*args, **kwargs)
+      return call
 
-    monkeypatch.setattr(tf.io.gfile, "rename", rename)
+    for name in real:
+      monkeypatch.setattr(tf.io.gfile, name, cut_before(name))
     try:
       storage.replace_tree(staging, target)
       finished = True
     except _Killed:
       finished = False
-    monkeypatch.setattr(tf.io.gfile, "rename", real_rename)
+    for name, function in real.items():
+      monkeypatch.setattr(tf.io.gfile, name, function)
     storage.finish_replace(target)
+    if read(target) == old:  # Cut before it began: nothing was lost,
+      assert read(staging) == new, cut  # and the next export redoes it.
+      storage.replace_tree(staging, target)
     assert read(target) == new, cut
     assert not tf.io.gfile.exists(staging)
-    assert not tf.io.gfile.exists(storage._previous_path(target))  # pylint: disable=protected-access
+    assert [name.rstrip("/") for name in tf.io.gfile.listdir(
+        storage.join(base, f"cut{cut}"))] == ["export"], cut
     if finished:
       break
-  assert finished and cut > 6  # Every rename of the replace was cut once.
+  assert finished and cut > 8  # Every step of the replace was cut once.
+
+
+def test_replica_check_takes_the_same_nan_for_agreement():
+  """Identical NaN replicas agree (the NaN-loss check names the step);
+  a NaN on one replica only, or another value, is divergence."""
+  from tfdist import replica_check  # pylint: disable=g-import-not-at-top
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with strategy.scope():
+    variable = tf.Variable([1.0, float("nan")], name="w")
+  checker = replica_check.ReplicaChecker(
+      strategy=strategy, variables=[variable], replicas_per_worker=2)
+  checker.check(1)  # Both replicas hold [1, nan].
+  variable.values[1].assign([1.0, 2.0])
+  with pytest.raises(replica_check.ReplicaDivergenceError,
+                     match="replica 1"):
+    checker.check(2)

@@ -32,13 +32,13 @@ def data():
           tf.data.Dataset.from_tensor_slices(test))
 
 
-def _model():
+def _model(outputs=1):
   numeric = keras.Input((3,), name="numeric")
   category = keras.Input((), dtype="int32", name="category")
   embedded = keras.layers.Embedding(NUM_IDS, 4, name="embed")(category)
   hidden = keras.layers.Concatenate()([numeric, embedded])
   hidden = keras.layers.Dense(16, activation="relu", name="hidden")(hidden)
-  value = keras.layers.Dense(1, name="value")(hidden)
+  value = keras.layers.Dense(outputs, name="value")(hidden)
   return keras.Model({"numeric": numeric, "category": category}, value)
 
 
@@ -66,6 +66,17 @@ class RegressionTask(tfdist.Task):
 
   def serving_outputs(self, outputs):
     return {"value": outputs}
+
+
+class TwoValueTask(RegressionTask):
+  """The same body with a head of another shape (two outputs, the
+  first one trained): a warm start from RegressionTask's checkpoint."""
+
+  def build_model(self):
+    return _model(outputs=2)
+
+  def loss(self, labels, outputs):
+    return keras.losses.mean_squared_error(labels, outputs[:, :1])
 
 
 class NamedMetricTask(RegressionTask):

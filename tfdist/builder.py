@@ -369,6 +369,10 @@ def _after_restore_fn(config, parts, store):
 
 
 def _export_fn(config, task, parts, inputs, write_dir):
+  for name in ("export", best_lib.BEST_EXPORT_DIR):
+    # An export a kill cut short is whole again before anything reads it.
+    storage.finish_replace(storage.join(write_dir, name))
+
   def export_now(best=False):
     if not config.export:
       return None
@@ -421,6 +425,7 @@ def _best_and_callbacks(config, info, parts, store, metric_names, callbacks):
   return tracker, callbacks_lib.Callbacks(
       callbacks, model=parts.model, optimizer=parts.optimizer,
       is_chief=info.is_chief, train_steps=config.train_steps,
+      eval_every=config.eval_every,
       sync=callbacks_lib.chief_values(info.strategy) if info.peers else None)
 
 

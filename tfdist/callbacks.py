@@ -82,7 +82,7 @@ class Callbacks:
   """
 
   def __init__(self, callbacks, *, model, optimizer, is_chief, train_steps,
-               sync=None):
+               eval_every=0, sync=None):
     self._model = _CallbackModel(model, optimizer)
     self._optimizer = optimizer
     self._sync = sync
@@ -90,6 +90,7 @@ class Callbacks:
         check(callbacks) if is_chief else [], model=self._model,
         add_history=False, add_progbar=False, steps=train_steps, epochs=None,
         verbose=0)
+    self._eval_every = eval_every
     self._epoch = 0
 
   @property
@@ -97,7 +98,9 @@ class Callbacks:
     return bool(self._model.stop_training)
 
   def train_begin(self, step):
-    del step
+    # Epochs are the intervals between evals: a resumed run is in the one
+    # its step says (LearningRateScheduler's rate depends on it).
+    self._epoch = step // self._eval_every if self._eval_every else 0
     self._list.on_train_begin()
     self._list.on_epoch_begin(self._epoch)
     # LearningRateScheduler sets the rate in on_epoch_begin.

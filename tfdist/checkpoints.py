@@ -164,8 +164,8 @@ class CheckpointStore:
     tf.io.gfile.makedirs(best_dir)
     prefix = path.rsplit("/", 1)[-1]
     for source in tf.io.gfile.glob(f"{path}.*"):
-      tf.io.gfile.copy(source, storage.join(
-          best_dir, source.rsplit("/", 1)[-1]), overwrite=True)
+      storage.copy_file(source, storage.join(best_dir,
+                                             source.rsplit("/", 1)[-1]))
     storage.write_text(storage.join(best_dir, "checkpoint"),
                        f'model_checkpoint_path: "{prefix}"\n'
                        f'all_model_checkpoint_paths: "{prefix}"\n')

@@ -425,11 +425,6 @@ def inputs_from_task(task, *, global_batch_size,
   probe = task.train_input(
       tf.distribute.InputContext(), global_batch_size=global_batch_size,
       seed=0, start_step=0)
-  if probe.cardinality() >= 0:  # Known and finite (0: empty).
-    raise ConfigError(
-        f"{task.display_name}.train_input must repeat for ever: end it "
-        f"with .repeat(). Received: a dataset of {int(probe.cardinality())} "
-        "batches")
   first = next(iter(probe.take(1)), None)
   if first is None:
     raise ConfigError(f"{task.display_name}.train_input gave no batch: is "

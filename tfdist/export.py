@@ -25,7 +25,8 @@ def serving_spec(features_spec, single_name):
 def export_saved_model(model, *, serving_outputs, features_spec, export_dir,
                        input_name="features"):
   """Writes a SavedModel; the previous export is replaced only on success."""
-  storage.finish_replace(export_dir)  # Of an export a kill cut short.
+  # A replace a kill cut short needs its staged tree: finish it first.
+  storage.finish_replace(export_dir)
   staging = storage.staging_path(export_dir)
   storage.remove_tree(staging)
   archive = keras.export.ExportArchive()

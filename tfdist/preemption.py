@@ -58,7 +58,7 @@ class SigtermFlag:
     self._grace_seconds = grace_seconds
     self._task_name = task_name
     self._on_repeat = on_repeat  # Called on the second SIGTERM.
-    self._saving = threading.Lock()
+    self._saving = threading.RLock()  # save_and_stop's save saves.
     self._noted = threading.Lock()
     self._disarmed = threading.Event()
     self._handled = 0
@@ -70,9 +70,11 @@ class SigtermFlag:
           "signals: a SIGTERM will not save a checkpoint. Call it from the "
           "main thread for preemption saves.")
       return
+    # A SIGHUP the host ignores (nohup) stays ignored.
     self._previous_handlers = {
         signum: signal.signal(signum, self._on_sigterm)
-        for signum in STOP_SIGNALS}
+        for signum in STOP_SIGNALS
+        if signal.getsignal(signum) is not signal.SIG_IGN}
     self._read_end, self._write_end = os.pipe()
     os.set_blocking(self._write_end, False)
     self._previous_fd = signal.set_wakeup_fd(self._write_end,
@@ -83,6 +85,10 @@ class SigtermFlag:
   def disarm(self):
     """From now on a SIGTERM ends nothing: what it would save is saved."""
     self._disarmed.set()
+
+  def saving(self):
+    """A context around a checkpoint save: the watchdog waits for it."""
+    return self._saving
 
   def close(self):
     """Disarms, and gives the caller back its handlers and wakeup fd (the
@@ -148,6 +154,9 @@ class Unwatched:
   def disarm(self):
     pass
 
+  def saving(self):
+    return contextlib.nullcontext()
+
 
 class SigtermGuard:
   """For parameter-server coordinators: SIGTERM sets a flag that is checked
@@ -186,6 +195,9 @@ class SigtermGuard:
 
   def disarm(self):
     self._flag.disarm()
+
+  def saving(self):
+    return self._flag.saving()
 
   def save_and_exit_if_signalled(self):
     if self._flag.requested:

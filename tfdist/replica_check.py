@@ -24,6 +24,17 @@ def _checksum(value):
   return tf.reduce_sum(flat * weights)
 
 
+def _read(variable):
+  # A Keras variable's `value` is a property; a tf.Variable's a method.
+  if callable(getattr(variable, "value", None)):
+    return variable.read_value()
+  return tf.convert_to_tensor(variable.value)
+
+
+def _name(variable):
+  return getattr(variable, "path", variable.name)
+
+
 class ReplicaChecker:
   """Builds the gather function once; `check(step)` raises on divergence."""
 
@@ -34,8 +45,7 @@ class ReplicaChecker:
     self._gather = tf.function(self._gather_checksums)
 
   def _local_checksums(self):
-    return tf.stack([_checksum(v.value if hasattr(v, "value") else v)
-                     for v in self._variables])[None]
+    return tf.stack([_checksum(_read(v)) for v in self._variables])[None]
 
   def _gather_checksums(self):
     per_replica = self._strategy.run(self._local_checksums)
@@ -45,9 +55,11 @@ class ReplicaChecker:
     table = self._gather().numpy()  # [replicas, variables]
     reference = table[0]
     for replica, row in enumerate(table[1:], start=1):
-      differs = np.flatnonzero(row != reference)
+      # The same NaN on both sides is agreement (the loss check names it).
+      same = (row == reference) | (np.isnan(row) & np.isnan(reference))
+      differs = np.flatnonzero(~same)
       if differs.size:
-        names = ", ".join(self._variables[i].path for i in differs[:3])
+        names = ", ".join(_name(self._variables[i]) for i in differs[:3])
         worker = replica // self._replicas_per_worker
         raise ReplicaDivergenceError(
             f"replica check at step {step}: worker {worker} (replica "
@@ -70,16 +82,15 @@ class ChiefBroadcast:
     self._strategy = strategy
     self._variables = list(variables)
     self._broadcast = tf.function(self._reduced_values)
-    # A collective of the same kind for state that is no variable here:
-    # the whole slots a sharded optimizer restored (share_restored).
+    # A collective of the same kind for state that is no variable here,
+    # called with whether this worker's state differed: the whole slots
+    # a sharded optimizer restored (share_restored).
     self._then = then
 
   def _from_replica_zero(self):
     context = tf.distribute.get_replica_context()
     is_source = tf.equal(context.replica_id_in_sync_group, 0)
-    # A Keras variable's `value` is a property; a tf.Variable's a method.
-    values = [v.read_value() if callable(getattr(v, "value", None))
-              else tf.convert_to_tensor(v.value) for v in self._variables]
+    values = [_read(v) for v in self._variables]
     contributed = [tf.where(is_source, value, tf.zeros_like(value))
                    for value in values]
     # One all-reduce per dtype: packed reductions take one dtype.
@@ -103,8 +114,8 @@ class ChiefBroadcast:
     for variable, value in zip(self._variables, reduced):
       local = self._strategy.experimental_local_results(value)[0]
       if not np.array_equal(np.asarray(variable.numpy()), local.numpy()):
-        changed.append(getattr(variable, "path", variable.name))
+        changed.append(_name(variable))
         variable.assign(local)
     if self._then:
-      self._then()
+      self._then(bool(changed))
     return changed

@@ -256,36 +256,46 @@ class ShardedUpdate:
     finally:
       self._gathered = None
 
-  def share_restored(self):
-    """Every worker calls this after its restore: each takes the whole
-    slots replica 0 (the chief) restored, so that a worker whose own
-    model_dir holds no checkpoint (no shared disk) does not train with
-    zero slots. One all-reduce of the whole state, once."""
-    count = self._slot_count()
-    if not count:
-      return
-    length = self._layout.size
-    mine = np.zeros([count * length + 1], np.float32)
-    if self.restored:
-      mine[:-1] = np.concatenate([self._layout.flatten_numpy(
-          [self.restored[(v, k)] for v in range(len(self._variables))])
-                                  for k in range(count)])
-      mine[-1] = 1.0
+  def _from_replica_zero(self, values, own=None):
+    """The sum over replicas of `values` from replica 0 and `own` (or
+    zeros) from every other replica."""
+    own = tf.zeros_like(values) if own is None else own
 
     @tf.function
-    def from_replica_zero(values):
+    def reduce(values, own):
       def replica_fn():
         context = tf.distribute.get_replica_context()
         is_source = tf.equal(context.replica_id_in_sync_group, 0)
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.where(
-            is_source, values, tf.zeros_like(values)))
+        return context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                  tf.where(is_source, values, own))
       return self._strategy.experimental_local_results(
           self._strategy.run(replica_fn))[0]
 
-    shared = from_replica_zero(tf.constant(mine)).numpy()
-    if shared[-1] == 0:  # The chief restored nothing.
-      self.restored = {}
+    return reduce(tf.constant(values), tf.constant(own)).numpy()
+
+  def share_restored(self, differs_here):
+    """Every worker calls this after ChiefBroadcast (`differs_here`: this
+    worker's state was not the chief's): when the chief restored slots
+    and some worker's differ (no shared disk), each takes the chief's
+    whole slots, to scatter its own shards from. A worker that restored
+    nothing would otherwise train with zero slots. One small all-reduce
+    decides; the whole state travels only when needed."""
+    count = self._slot_count()
+    if not count:
       return
+    need = float(differs_here or not self.restored)
+    has = float(bool(self.restored))
+    needed, chief_has = self._from_replica_zero(
+        np.array([need, has], np.float32), np.array([need, 0], np.float32))
+    if not chief_has or not needed:
+      return
+    length = self._layout.size
+    mine = np.zeros([count * length], np.float32)
+    if self.restored:
+      mine[:] = np.concatenate([self._layout.flatten_numpy(
+          [self.restored[(v, k)] for v in range(len(self._variables))])
+                                for k in range(count)])
+    shared = self._from_replica_zero(mine)
     for k in range(count):
       pieces = self._layout.unflatten_numpy(shared[k * length:][:length])
       for v, piece in enumerate(pieces):

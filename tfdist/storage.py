@@ -38,6 +38,14 @@ def write_text(path, text):
   tf.io.gfile.rename(partial, path, overwrite=True)
 
 
+def copy_file(source, target):
+  """Copies a file so that `target` is never half there: into a sibling
+  first, then renamed over it."""
+  partial = _beside(target, "copying")
+  tf.io.gfile.copy(source, partial, overwrite=True)
+  tf.io.gfile.rename(partial, target, overwrite=True)
+
+
 def remove_tree(path):
   """Removes `path` and everything under it, if it exists."""
   if not tf.io.gfile.exists(path):
@@ -70,43 +78,45 @@ def _move_files(source, target):
   remove_tree(source)
 
 
-def _previous_path(path):
+def _beside(path, what):
   parent, _, name = path.rstrip("/").rpartition("/")
-  return f"{parent}/.{name}-previous"
-
-
-_MOVED_OUT = ".moved-out"  # In the previous tree: all of it is there.
+  return f"{parent}/.{name}-{what}"
 
 
 def replace_tree(source, target):
   """Moves the complete tree `source` (the staging path of `target`) to
   `target`, replacing what was there, so that a kill at any point loses
-  neither: the old tree goes aside whole (then marked), the new one moves
-  in, and only then is the old one removed. `finish_replace` completes a
-  replace a kill cut short."""
+  neither: the old tree goes aside whole, the new one moves in, and only
+  then is the old one removed. A small state file beside `target`,
+  written in one step before each phase and removed last, says how far
+  it got; `finish_replace` completes a replace a kill cut short."""
   finish_replace(target)
-  previous = _previous_path(target)
-  if tf.io.gfile.exists(target):
-    _move_files(target, previous)
-    write_text(join(previous, _MOVED_OUT), "")
-  _move_files(source, target)
+  _replace_from(source, target, "aside")
+
+
+def _replace_from(source, target, phase):
+  state, previous = _beside(target, "replacing"), _beside(target, "previous")
+  if phase == "aside":
+    write_text(state, "aside")
+    if tf.io.gfile.exists(target):
+      _move_files(target, previous)
+  write_text(state, "in")
+  if tf.io.gfile.exists(source):
+    _move_files(source, target)
   remove_tree(previous)
+  tf.io.gfile.remove(state)
 
 
 def finish_replace(target):
   """Completes a `replace_tree(staging_path(target), target)` that a
-  kill interrupted, from the step it reached; nothing when none was."""
-  previous = _previous_path(target)
-  if not tf.io.gfile.exists(previous):
+  kill interrupted, from the phase its state file names; nothing when
+  none was."""
+  state = _beside(target, "replacing")
+  if not tf.io.gfile.exists(state):
     return
-  if not tf.io.gfile.exists(join(previous, _MOVED_OUT)):
-    if tf.io.gfile.exists(target):  # Cut short while moving the old aside.
-      _move_files(target, previous)
-    write_text(join(previous, _MOVED_OUT), "")
-  staging = staging_path(target)
-  if tf.io.gfile.exists(staging):  # Cut short while moving the new in.
-    _move_files(staging, target)
-  remove_tree(previous)
+  with tf.io.gfile.GFile(state) as f:
+    phase = f.read()
+  _replace_from(staging_path(target), target, phase)
 
 
 def staging_path(path):

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 from absl import logging
 import numpy as np
 
+from tfdist import preemption
 from tfdist.errors import NonFiniteLossError
 
 
@@ -127,6 +128,8 @@ class Trainer:
     # moving average with --ema_decay).
     self._eval_weights = eval_weights or contextlib.nullcontext
     self._last_checkpoint = None
+    self._watch = preemption.Unwatched()  # What run() watches SIGTERM with.
+    self._eval_sums = None
     self._iterator, self._iterator_step = None, None
     self._saved_step = None
     self._last_eval = (None, None)  # (step, metrics)
@@ -149,6 +152,7 @@ class Trainer:
     callbacks = self._callbacks
     try:
       with watched as watch:
+        self._watch = watch
         if callbacks:
           callbacks.train_begin(self.step)
         if self.step < options.train_steps:
@@ -159,9 +163,7 @@ class Trainer:
           eval_step, eval_metrics = self._last_eval
           if eval_step != self.step:  # Not evaluated just before a stop.
             eval_metrics = self.evaluate(self.step)
-            self._track_best(self.step, eval_metrics)
-            if callbacks:
-              callbacks.eval_end(self.step, eval_metrics, train_metrics)
+            self._after_eval(self.step, eval_metrics, train_metrics)
         # Trained, saved and evaluated: a SIGTERM from here on lets the
         # export finish (its watchdog would end the process mid-export).
         watch.disarm()
@@ -169,6 +171,7 @@ class Trainer:
         if callbacks:
           callbacks.train_end(train_metrics)
     finally:
+      self._watch = preemption.Unwatched()
       self._summaries.close()
     return RunResult(step=self.step, eval_metrics=eval_metrics,
                      train_metrics=train_metrics,
@@ -213,8 +216,7 @@ class Trainer:
     with self._eval_weights():
       sums = self._runner.evaluate(self._inputs.eval_fn(),
                                    self._inputs.eval_steps)
-    # Out of the eval weights: a preemption saves the trained ones.
-    self._runner.stop_if_signalled(sums)
+    self._eval_sums = sums  # Its agreed stop: see _after_eval.
     examples = max(sums.examples, 1.0)
     metrics = {"loss": sums.loss_sum / examples,
                **self._metrics.results(sums.metric_states),
@@ -308,10 +310,8 @@ class Trainer:
         if (options.evaluates and options.eval_every
             and step % options.eval_every == 0):
           evaluated = self.evaluate(step)
-          early_stop = self._track_best(step, evaluated)
-          if self._callbacks:
-            self._callbacks.eval_end(step, evaluated,
-                                     metrics or self._call_logs(sums))
+          early_stop = self._after_eval(step, evaluated,
+                                        metrics or self._call_logs(sums))
           meter.reset(time.perf_counter())
           if early_stop:
             break
@@ -323,6 +323,17 @@ class Trainer:
         break
     self._profile(step)
     return metrics
+
+  def _after_eval(self, step, metrics, train_logs):
+    """The best and the callbacks take the eval; then a SIGTERM agreed
+    during it saves and stops (out of the eval weights, and with this
+    eval counted, as an uninterrupted run counts it). Returns whether to
+    stop early."""
+    early_stop = self._track_best(step, metrics)
+    if self._callbacks:
+      self._callbacks.eval_end(step, metrics, train_logs)
+    self._runner.stop_if_signalled(self._eval_sums)
+    return early_stop
 
   def _track_best(self, step, metrics, checkpoint=None):
     """After an eval: keeps this step's checkpoint (saved now if it is not
@@ -384,7 +395,8 @@ class Trainer:
           f"{self._last_checkpoint or 'none'}.")
 
   def _save(self, step):
-    self._last_checkpoint = self._checkpoints.save(step)
+    with self._watch.saving():  # A SIGTERM's watchdog waits for it.
+      self._last_checkpoint = self._checkpoints.save(step)
     self._saved_step = step
     logging.info("Saved checkpoint %s.", self._last_checkpoint)
 

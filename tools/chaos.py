@@ -15,8 +15,9 @@ behind. Exit code 0 when nothing was lost.
 
 The job's length is the chaos duration, not a step count: the chaos run
 trains with --callbacks=tfdist.tools.chaos:hold_until_released, which
-holds the chief from 80% of --train_steps on while a gate file exists,
-and the gate goes when the faults are done. So every machine, fast or
+slows the chief (0.5 s per loop call) while a gate file exists and holds
+it from 80% of --train_steps on until the gate goes, when the faults are
+done. So every machine, fast or
 slow, sees the same number of faults, and the job then finishes.
 
 With --elastic (the launcher flags give --workers=MIN:MAX), half of the
@@ -40,6 +41,7 @@ import time
 # The file whose presence holds the chief (hold_until_released).
 GATE_ENV = "TFDIST_CHAOS_GATE"
 HOLD_FROM = 0.8  # Of --train_steps.
+THROTTLE_SECONDS = 0.5  # After each loop call while faults come.
 HOLD_CALLBACK = "--callbacks=tfdist.tools.chaos:hold_until_released"
 
 _STARTED = re.compile(r"^\[launch\] started (\S+) pid=(\d+) at (\S+)")
@@ -91,17 +93,23 @@ def parse_args(argv):
 
 
 def hold_until_released():
-  """--callbacks for a chaos run: on the chief, from HOLD_FROM of the
-  train steps on, each loop call waits while the file GATE_ENV names
-  exists (the other workers wait in their next collective)."""
+  """--callbacks for a chaos run: on the chief, while the file GATE_ENV
+  names exists, each loop call waits THROTTLE_SECONDS, and from HOLD_FROM
+  of the train steps on it waits until the file goes (the other workers
+  wait in their next collective)."""
   import keras  # pylint: disable=g-import-not-at-top
   gate = os.environ.get(GATE_ENV)
 
   class HoldUntilReleased(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
+      if not gate or not os.path.exists(gate):
+        return
+      # Slowed while faults come, so that most of them meet a job that
+      # trains (and saves on SIGTERM) rather than one held at its end.
+      time.sleep(THROTTLE_SECONDS)
       steps = self.params.get("steps") or 0
-      if gate and batch >= HOLD_FROM * steps:
+      if batch >= HOLD_FROM * steps:
         while os.path.exists(gate):
           time.sleep(0.2)
   return [HoldUntilReleased()]
