@@ -246,8 +246,9 @@ class Launcher:
       return self._run()
 
   def _run(self):
-    for signum in (signal.SIGINT, signal.SIGTERM):
-      signal.signal(signum, self._on_signal)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+      if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup
+        signal.signal(signum, self._on_signal)
     restarts = port_retries = attempts = 0
     if self._discover and not self._wait_for_min_slots():
       return 128 + self._signalled if self._signalled else 1
@@ -293,7 +294,8 @@ class Launcher:
                     f"be below the minimum of {self._cluster.min_workers} "
                     "(--workers=MIN:MAX). Training did not finish.")
           return code if code > 0 else 1
-        if self._drop_worker and self._failed_task:
+        if (self._drop_worker and self._failed_task
+            and code != PEER_LOST_EXIT_CODE):  # It lost a peer; not lost.
           self._drop_worker(self._failed_task.spec)
         if not self._change_membership(
             self._cluster.workers - 1,
@@ -317,13 +319,16 @@ class Launcher:
 
   def _change_membership(self, workers, why):
     """Resizes the group; False when the job must stop instead: more
-    than MAX_MEMBERSHIP_CHANGES within MEMBERSHIP_WINDOW_SECONDS (a group
+    than MAX_MEMBERSHIP_CHANGES (or 3 per slot of MAX) within
+    MEMBERSHIP_WINDOW_SECONDS (a group
     that never holds together, such as a host that fails each time
     discovery offers it again), or a signal during the backoff."""
     now = time.monotonic()
     self._changes = [t for t in self._changes
                      if now - t < MEMBERSHIP_WINDOW_SECONDS] + [now]
-    if len(self._changes) > MAX_MEMBERSHIP_CHANGES:
+    # A large job sees more churn: at least 3 changes per slot of MAX.
+    limit = max(MAX_MEMBERSHIP_CHANGES, 3 * self._cluster.max_workers)
+    if len(self._changes) > limit:
       self._log(f"{len(self._changes)} membership changes within "
                 f"{MEMBERSHIP_WINDOW_SECONDS / 60:.0f} minutes (the last: "
                 f"{why}): the group does not hold together; stopping. "

@@ -164,8 +164,10 @@ class Job:
   def failed_alike(self, code, timeout):
     """True when every training task exits with `code` within `timeout`
     seconds: an error of the job (a bad flag, a bug), not a lost task."""
-    # Not the evaluator: it waits for checkpoints, and fails alone.
-    left_out = (*self._serving_roles(), "evaluator")
+    # Every task that runs the training program with the job's flags
+    # (PS workers too), but not the ps tasks or the evaluator (it waits
+    # for checkpoints, and fails alone).
+    left_out = ("ps", "evaluator")
     trainers = [t for t in self.tasks
                 if not t.abandoned and t.spec.role not in left_out]
     deadline = time.monotonic() + timeout

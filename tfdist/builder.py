@@ -368,10 +368,11 @@ def _after_restore_fn(config, parts, store):
   return after_restore
 
 
-def _export_fn(config, task, parts, inputs, write_dir):
-  for name in ("export", best_lib.BEST_EXPORT_DIR):
-    # An export a kill cut short is whole again before anything reads it.
-    storage.finish_replace(storage.join(write_dir, name))
+def _export_fn(config, task, parts, inputs, write_dir, *, trains):
+  if trains:  # Not an eval process: it may run beside the one exporting.
+    for name in ("export", best_lib.BEST_EXPORT_DIR):
+      # An export a kill cut short is whole again before anything reads it.
+      storage.finish_replace(storage.join(write_dir, name))
 
   def export_now(best=False):
     if not config.export:
@@ -425,7 +426,8 @@ def _best_and_callbacks(config, info, parts, store, metric_names, callbacks):
   return tracker, callbacks_lib.Callbacks(
       callbacks, model=parts.model, optimizer=parts.optimizer,
       is_chief=info.is_chief, train_steps=config.train_steps,
-      eval_every=config.eval_every,
+      eval_every=(config.eval_every if config.mode == "train_and_eval"
+                  else 0),
       sync=callbacks_lib.chief_values(info.strategy) if info.peers else None)
 
 
@@ -471,7 +473,10 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
           strategy=info.strategy, variables=model.weights,
           replicas_per_worker=max(info.num_replicas // info.num_workers, 1))
                        if config.check_replicas_every else None),
-      export_fn=_export_fn(config, task, parts, inputs, write_dir),
+      export_fn=_export_fn(
+          config, task, parts, inputs, write_dir,
+          trains=(info.reason != "sidecar evaluator"
+                  and config.mode in ("train", "train_and_eval"))),
       after_restore=_after_restore_fn(config, parts, store),
       hparams=config.to_dict(),
       startup_scalars=_startup_scalars(info, parts),

@@ -113,7 +113,8 @@ class ChiefBroadcast:
     changed = []
     for variable, value in zip(self._variables, reduced):
       local = self._strategy.experimental_local_results(value)[0]
-      if not np.array_equal(np.asarray(variable.numpy()), local.numpy()):
+      if not np.array_equal(np.asarray(variable.numpy()), local.numpy(),
+                            equal_nan=True):
         changed.append(_name(variable))
         variable.assign(local)
     if self._then:

@@ -278,6 +278,10 @@ class ParameterServerRunner:
       else:
         self._coordinator.join()
       results = [(remote.fetch(), size) for remote, size in scheduled]
+    except tf.errors.OutOfRangeError:
+      raise InputEndedError(
+          "the input ended before the steps asked of it: a task's "
+          "train_input must repeat for ever (end it with .repeat()).") from None
     except tf.errors.OpError as e:
       # Worker failures are retried by the coordinator; what reaches here
       # is a lost parameter server (or a bug), which needs a job restart.

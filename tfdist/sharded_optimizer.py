@@ -287,7 +287,10 @@ class ShardedUpdate:
     has = float(bool(self.restored))
     needed, chief_has = self._from_replica_zero(
         np.array([need, has], np.float32), np.array([need, 0], np.float32))
-    if not chief_has or not needed:
+    if not chief_has:
+      self.restored = {}  # The chief's fresh state wins over this one's.
+      return
+    if not needed:
       return
     length = self._layout.size
     mine = np.zeros([count * length], np.float32)

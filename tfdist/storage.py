@@ -42,6 +42,8 @@ def copy_file(source, target):
   """Copies a file so that `target` is never half there: into a sibling
   first, then renamed over it."""
   partial = _beside(target, "copying")
+  if tf.io.gfile.exists(partial):  # ram:// would not truncate it.
+    tf.io.gfile.remove(partial)
   tf.io.gfile.copy(source, partial, overwrite=True)
   tf.io.gfile.rename(partial, target, overwrite=True)
 

@@ -395,8 +395,7 @@ class Trainer:
           f"{self._last_checkpoint or 'none'}.")
 
   def _save(self, step):
-    with self._watch.saving():  # A SIGTERM's watchdog waits for it.
-      self._last_checkpoint = self._checkpoints.save(step)
+    self._last_checkpoint = self._checkpoints.save(step)
     self._saved_step = step
     logging.info("Saved checkpoint %s.", self._last_checkpoint)
 

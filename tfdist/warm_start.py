@@ -5,8 +5,9 @@ weights: not the optimizer, not the step.
 A tfdist checkpoint (a ckpt-N prefix, or a directory whose latest
 checkpoint is taken), a Keras `.weights.h5` or a `.keras` file.
 `--init_checkpoint_skip=REGEX` leaves the variables whose path matches
-(a new head, say) as initialised: they are never read, so they may have
-another shape in the source (another class count) or be missing from it.
+(a new head, say) as initialised. From a tfdist checkpoint they are never
+read, so they may have another shape in the source (another class count)
+or be missing from it; a Keras file loads whole, so they must fit.
 """
 
 import re
@@ -106,9 +107,10 @@ def load(model, path, *, skip=""):
   initial = [(v, v.numpy()) for v in skipped]
   try:
     if path.endswith(_KERAS_SUFFIXES):
-      # Keras matches layers by position; a skipped head of another shape
-      # is left as initialised by skip_mismatch.
-      model.load_weights(path, skip_mismatch=bool(skipped))
+      # Keras files load whole: a skipped variable must still fit (its
+      # value is put back after). skip_mismatch would also skip layers
+      # not named, silently.
+      model.load_weights(path)
       source = path
     else:
       source = _tfdist_checkpoint(path)
