@@ -12,6 +12,7 @@ import artifacts
 from conftest import LauncherProcess
 from conftest import process_alive
 from conftest import run_launcher
+from tfdist.errors import PEER_LOST_EXIT_CODE
 
 MWMS = ["--strategy=multi_worker_mirrored", "--steps_per_loop=10",
         "--log_every=100", "--eval_every=0"]
@@ -128,7 +129,8 @@ def test_stalled_worker_gives_an_error_naming_it(tmp_path, data_dir):
   finally:
     if process_alive(stalled):
       os.kill(stalled, signal.SIGCONT)
-  assert code == 2, output[-3000:]
+  # A lost peer has its own exit code: never taken for a job's error.
+  assert code == PEER_LOST_EXIT_CODE, output[-3000:]
   assert re.search(r"worker:0 \| tfdist: error: a collective on worker:0 "
                    r"timed out \(--collective_timeout\): a peer stopped "
                    r"answering. Peers: worker:1 \(127.0.0.1:\d+\)", output)
