@@ -33,11 +33,12 @@ def checkpoint_step(model_dir):
 
 
 def scalars(log_dir, tag, *, in_time_order=False):
-  """[(step, value)] of a scalar summary in every event file of log_dir,
-  sorted by step, or by the time written (a resumed run writes a step
-  again)."""
+  """[(step, value)] of a scalar summary in every event file of log_dir
+  (on any filesystem tf.io.gfile reads: ram:// too), sorted by step, or
+  by the time written (a resumed run writes a step again)."""
   points = []
-  for path in sorted(glob.glob(os.path.join(log_dir, "events.out.*"))):
+  pattern = f"{str(log_dir).rstrip('/')}/events.out.*"
+  for path in sorted(tf.io.gfile.glob(pattern)):
     for event in tf.compat.v1.train.summary_iterator(path):
       for value in event.summary.value:
         if value.tag == tag:

@@ -205,18 +205,6 @@ def test_a_remote_model_dir_for_a_whole_run(tmp_path, monkeypatch):
   assert signal.set_wakeup_fd(-1) == -1
 
 
-def _evals(log_dir, tag):
-  """[(step, value)] of an eval scalar, from event files on any
-  filesystem tf.io.gfile reads."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  points = []
-  for path in sorted(tf.io.gfile.glob(f"{log_dir}/events.out.*")):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      points += [(event.step, float(tf.make_ndarray(value.tensor)))
-                 for value in event.summary.value if value.tag == tag]
-  return sorted(points)
-
-
 def test_trainer_features_on_a_remote_model_dir(tmp_path, monkeypatch):
   """ram://, in this process, with a learning rate that trains: the best
   checkpoint and its export, early stopping, EMA (the eval's weights are
@@ -233,7 +221,7 @@ def test_trainer_features_on_a_remote_model_dir(tmp_path, monkeypatch):
                      best_metric="accuracy", early_stopping_patience=2,
                      ema_decay=0.5)
   # The best and the stop follow the evals as they came.
-  evals = _evals(f"{model_dir}/eval", "accuracy")
+  evals = artifacts.scalars(f"{model_dir}/eval", "accuracy")
   best_step, best_value, stop, since = None, -1.0, 100, 0
   for step, value in evals:
     if value > best_value:

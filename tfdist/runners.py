@@ -66,6 +66,10 @@ class InputEndedError(TfdistError):
   """A task's own input ran out mid-run."""
 
 
+_INPUT_ENDED = ("the input ended before the steps asked of it: a task's "
+                "train_input must repeat for ever (end it with .repeat())")
+
+
 def _chunks(num_steps, steps_per_call):
   while num_steps > 0:
     size = min(steps_per_call, num_steps)
@@ -203,9 +207,8 @@ class SyncRunner:
                      tf.constant(stop, tf.float32)).numpy()
     except tf.errors.OutOfRangeError:
       raise InputEndedError(
-          "the input ended before the steps asked of it: a task's "
-          "train_input must repeat for ever (end it with .repeat()), and "
-          "its eval_input must give --eval_steps batches.") from None
+          f"{_INPUT_ENDED}, and its eval_input must give --eval_steps "
+          "batches.") from None
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
             tf.errors.AbortedError, tf.errors.CancelledError) as e:
       # With several collectives in flight (the overlapped packs), the one
@@ -279,9 +282,7 @@ class ParameterServerRunner:
         self._coordinator.join()
       results = [(remote.fetch(), size) for remote, size in scheduled]
     except tf.errors.OutOfRangeError:
-      raise InputEndedError(
-          "the input ended before the steps asked of it: a task's "
-          "train_input must repeat for ever (end it with .repeat()).") from None
+      raise InputEndedError(f"{_INPUT_ENDED}.") from None
     except tf.errors.OpError as e:
       # Worker failures are retried by the coordinator; what reaches here
       # is a lost parameter server (or a bug), which needs a job restart.
