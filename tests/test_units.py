@@ -372,3 +372,53 @@ def test_replica_check_takes_the_same_nan_for_agreement():
   with pytest.raises(replica_check.ReplicaDivergenceError,
                      match="replica 1"):
     checker.check(2)
+
+
+def _stall_watch(timeout_seconds):
+  import io
+  import threading
+  from tfdist import stall_watch
+  exits, err = [], io.StringIO()
+  fired = threading.Event()
+
+  def exit_fn(code):
+    exits.append(code)
+    fired.set()
+
+  watch = stall_watch.StallWatch(timeout_seconds=timeout_seconds,
+                                 message="a peer stopped answering",
+                                 err=err, exit_fn=exit_fn)
+  return watch, exits, err, fired
+
+
+def test_stall_watch_ends_a_call_that_runs_past_its_usual_length():
+  """A call of a known key that runs `timeout` past its usual length ends
+  the task with the lost-peer line and code, before TF's own timeout."""
+  from tfdist import stall_watch
+  from tfdist.errors import PEER_LOST_EXIT_CODE
+  watch, exits, err, fired = _stall_watch(0.2)
+  with watch.watching("train"):  # The first call (it traces) is unwatched.
+    pass
+  assert watch.usual_seconds("train") is not None
+  with watch.watching("train"):
+    assert fired.wait(timeout=30)
+  assert exits == [PEER_LOST_EXIT_CODE]
+  assert err.getvalue() == "tfdist: error: a peer stopped answering\n"
+  assert stall_watch.tf_backstop_seconds(5.0) == 10.0
+  assert stall_watch.tf_backstop_seconds(0.0) is None
+
+
+def test_stall_watch_lets_calls_of_usual_length_and_first_calls_run():
+  import time
+  watch, exits, _, _ = _stall_watch(0.3)
+  with watch.watching("eval"):
+    time.sleep(0.6)  # A first call, longer than the timeout: no deadline.
+  with watch.watching("eval"):  # Usual: 0.6 s, so the deadline is 0.9 s.
+    time.sleep(0.1)
+  with watch.watching("train"):  # Another key has its own first call.
+    time.sleep(0.4)
+  time.sleep(1.0)  # Any timer left armed would have fired by now.
+  assert exits == []
+  with pytest.raises(ValueError, match="timeout_seconds=0"):
+    from tfdist import stall_watch
+    stall_watch.StallWatch(timeout_seconds=0, message="x")

@@ -266,8 +266,10 @@ OPTIONS = (
        "many seconds even if the peers never answer (a checkpoint being "
        "written is waited for); keep it below the platform's grace "
        "(Kubernetes: 30 s).", "loop", above=0),
-    _o("collective_timeout", 0.0, "Seconds before a collective that a peer "
-       "does not answer fails; 0: no timeout.", "multi_worker", minimum=0),
+    _o("collective_timeout", 0.0, "Seconds a loop call may run past its "
+       "usual length (a peer not answering) before the task names its "
+       "peers and exits with code 5; TF's own collective timeout is twice "
+       "this. 0: no timeout.", "multi_worker", minimum=0),
     _enum("allreduce_dtype", "float32", ("float32", "float16", "bfloat16"),
           "All-reduce gradients in this dtype (compression).",
           "multi_worker"),

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tfdist import loop_wire
 from tfdist import preemption
+from tfdist import stall_watch
 from tfdist import strategies
 from tfdist.errors import PEER_LOST_EXIT_CODE
 from tfdist.errors import TfdistError
@@ -127,7 +128,7 @@ class SyncRunner:
   one_call_at_a_time = True
 
   def __init__(self, strategy, loops, *, preemptible=True, task_name="local",
-               peers=(), plain_feed=True):
+               peers=(), plain_feed=True, collective_timeout=0.0):
     self._strategy = strategy
     self._loops = loops
     self._train = tf.function(self._counted_train_steps)
@@ -138,6 +139,10 @@ class SyncRunner:
     self._peers = peers
     self._sigterm = None
     self._save_fn = self._step_fn = None
+    self._stall_watch = (stall_watch.StallWatch(
+        timeout_seconds=collective_timeout,
+        message=self._peer_message(timed_out=True))
+                         if peers and collective_timeout else None)
 
   @contextlib.contextmanager
   def preemption_watched(self, *, save_fn, step_fn, grace_seconds):
@@ -180,7 +185,8 @@ class SyncRunner:
       train = functools.partial(self._train, compressed=compressed)
       for size in _chunks(until - step, steps_per_call):
         parts.append(self._loops.wire.unpack_train(
-            self._call(train, iterator, size), size))
+            self._call(train, iterator, size,
+                       watch_key=("train", compressed, size)), size))
         self._stop_if_agreed(parts[-1])
       step = until
     return combine(parts)
@@ -190,7 +196,8 @@ class SyncRunner:
     iterator = iter(self._strategy.distribute_datasets_from_function(
         input_fn))
     return self._loops.wire.unpack_eval(
-        self._call(self._eval, iterator, num_steps), num_steps)
+        self._call(self._eval, iterator, num_steps,
+                   watch_key=("eval", num_steps)), num_steps)
 
   def stop_if_signalled(self, sums):
     self._stop_if_agreed(sums)
@@ -200,11 +207,14 @@ class SyncRunner:
     if sums.stop and self._sigterm:
       self._sigterm.save_and_stop(self._save_fn, self._step_fn)
 
-  def _call(self, loop_fn, iterator, num_steps):
+  def _call(self, loop_fn, iterator, num_steps, *, watch_key):
     stop = float(bool(self._sigterm and self._sigterm.requested))
+    watched = (self._stall_watch.watching(watch_key) if self._stall_watch
+               else contextlib.nullcontext())
     try:
-      return loop_fn(iterator, tf.constant(num_steps, tf.int32),
-                     tf.constant(stop, tf.float32)).numpy()
+      with watched:
+        return loop_fn(iterator, tf.constant(num_steps, tf.int32),
+                       tf.constant(stop, tf.float32)).numpy()
     except tf.errors.OutOfRangeError:
       raise InputEndedError(
           f"{_INPUT_ENDED}, and its eval_input must give --eval_steps "
@@ -219,11 +229,13 @@ class SyncRunner:
       timed_out = isinstance(e, tf.errors.DeadlineExceededError) or any(
           word in e.message.lower() for word in ("deadline", "timeout",
                                                  "timed out"))
-      what = ("timed out (--collective_timeout)" if timed_out
-              else "lost a peer")
-      raise PeerError(
-          f"a collective on {self._task_name} {what}: a peer stopped "
-          f"answering. Peers: {', '.join(self._peers)}.") from None
+      raise PeerError(self._peer_message(timed_out=timed_out)) from None
+
+  def _peer_message(self, *, timed_out):
+    what = ("timed out (--collective_timeout)" if timed_out
+            else "lost a peer")
+    return (f"a collective on {self._task_name} {what}: a peer stopped "
+            f"answering. Peers: {', '.join(self._peers)}.")
 
 
 class ParameterServerRunner:
@@ -330,4 +342,5 @@ def create(strategy_info, loops, *, train_feed="auto"):
                     preemptible=kind.preemptible,
                     task_name=strategy_info.task_name,
                     peers=strategy_info.peers,
-                    plain_feed=train_feed == "auto")
+                    plain_feed=train_feed == "auto",
+                    collective_timeout=strategy_info.collective_timeout)

@@ -4,6 +4,7 @@ import dataclasses
 from typing import Callable, Tuple
 
 from tfdist import devices
+from tfdist import stall_watch
 from tfdist.errors import ConfigError
 
 
@@ -19,6 +20,7 @@ class StrategyInfo:
   num_workers: int = 1
   task_name: str = "local"
   peers: Tuple[str, ...] = ()
+  collective_timeout: float = 0.0  # multi_worker_mirrored: seconds.
   coordinator: object = None  # parameter_server: the ClusterCoordinator.
   partitioner: object = None  # parameter_server: how to shard big tables.
 
@@ -149,7 +151,9 @@ def _multi_worker(config, task):
   implementation = getattr(tf.distribute.experimental.CommunicationImplementation,
                            _IMPLEMENTATIONS[config.all_reduce_alg])
   options = tf.distribute.experimental.CommunicationOptions(
-      timeout_seconds=config.collective_timeout or None,
+      # The stall watch names a stalled peer first (tfdist/stall_watch.py).
+      timeout_seconds=stall_watch.tf_backstop_seconds(
+          config.collective_timeout),
       implementation=implementation)
   resolver = cluster_resolver(task) if task else None
   return tf.distribute.MultiWorkerMirroredStrategy(
@@ -243,7 +247,8 @@ def create_strategy(config, *, tf_config=None) -> StrategyInfo:
       num_workers=tf_config.num_trainers if multi_worker else 1,
       task_name=(f"{tf_config.task_type}:{tf_config.task_index}"
                  if multi_worker else "local"),
-      peers=_peers(tf_config) if multi_worker else ())
+      peers=_peers(tf_config) if multi_worker else (),
+      collective_timeout=config.collective_timeout if multi_worker else 0.0)
 
 
 def _peers(task):

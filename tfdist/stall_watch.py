@@ -1,0 +1,82 @@
+"""Names a stalled peer before TensorFlow's own collective timeout fires.
+
+TF's abort of a timed-out ring races the RPCs still in flight, and now and
+then crashes the process (TF 2.21: SIGABRT in
+CancellationManager::DeregisterCallback from GrpcRemoteWorker::RecvBufAsync
+after "StartAbort DEADLINE_EXCEEDED"): the task then dies by a signal
+instead of naming its peer and exiting with the lost-peer code. So a loop
+call that runs `timeout_seconds` past its usual length ends the task here,
+from a timer thread, with that line and code, and TF's own timeout (set
+later, see `tf_backstop_seconds`) is only a backstop for a stall in the
+first call of a loop, whose usual length is not known yet.
+"""
+
+import contextlib
+import os
+import sys
+import threading
+import time
+
+from tfdist.errors import PEER_LOST_EXIT_CODE
+
+
+def tf_backstop_seconds(timeout_seconds):
+  """TF's collective timeout for a --collective_timeout: later than the
+  watch's deadline of a call of usual length."""
+  return 2 * timeout_seconds if timeout_seconds else None
+
+
+class StallWatch:
+  """Per loop call: a deadline of its usual length plus the timeout."""
+
+  def __init__(self, *, timeout_seconds, message, err=None,
+               exit_fn=os._exit, clock=time.monotonic):
+    if timeout_seconds <= 0:
+      raise ValueError(f"timeout_seconds must be > 0. Received: "
+                       f"timeout_seconds={timeout_seconds!r}")
+    self._timeout = timeout_seconds
+    self._message = message
+    self._err = err or sys.stderr
+    self._exit = exit_fn
+    self._clock = clock
+    # key -> [first call's length, longest later call's length or None].
+    self._lengths = {}
+
+  def usual_seconds(self, key):
+    """The longest call of `key` after its first (which traces), or the
+    first when there is no other; None before any."""
+    lengths = self._lengths.get(key)
+    if lengths is None:
+      return None
+    return lengths[0] if lengths[1] is None else lengths[1]
+
+  @contextlib.contextmanager
+  def watching(self, key):
+    usual = self.usual_seconds(key)
+    timer = None
+    if usual is not None:
+      timer = threading.Timer(usual + self._timeout, self._fire)
+      timer.daemon = True
+      timer.start()
+    started = self._clock()
+    try:
+      yield
+    finally:
+      if timer:
+        timer.cancel()
+    self._record(key, self._clock() - started)
+
+  def _record(self, key, seconds):
+    if key not in self._lengths:
+      self._lengths[key] = [seconds, None]
+    else:
+      later = self._lengths[key][1]
+      self._lengths[key][1] = seconds if later is None else max(later,
+                                                                seconds)
+
+  def _fire(self):
+    # No unwinding: the main thread is blocked inside TF, and a clean exit
+    # would wait on it (or on TF's crashy abort).
+    self._err.write(f"tfdist: error: {self._message}\n")
+    self._err.flush()
+    self._exit(PEER_LOST_EXIT_CODE)
