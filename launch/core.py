@@ -28,7 +28,6 @@ Exit code: 0 when training finished, otherwise the failing task's code
 """
 
 import argparse
-import dataclasses
 import signal
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import time
 
 from . import description
 from . import processes
+from .membership import Membership
+from .membership import SlotsUnavailable
 from tfdist import options as tfdist_options
 from tfdist.errors import PEER_LOST_EXIT_CODE
 from tfdist.errors import PORT_TAKEN_EXIT_CODE
@@ -50,16 +51,8 @@ JOB_ERROR_WINDOW = 3.0
 # (255: ssh's own failure, such as a lost connection, on every task.)
 _NOT_THE_JOBS_ERROR = (PREEMPTED_EXIT_CODE, PORT_TAKEN_EXIT_CODE,
                        PEER_LOST_EXIT_CODE, 255)
-# An elastic job stops after more membership changes than this within
-# the window: a group that never holds together. Changes in a row back
-# off as restarts do.
-MAX_MEMBERSHIP_CHANGES = 12
-MEMBERSHIP_WINDOW_SECONDS = 3600.0
 # Relaunches, beyond --max_restarts, after a probed port was taken.
 MAX_PORT_RETRIES = 5
-# An elastic job waits this long at its start for MIN worker slots, as
-# Horovod's --elastic-timeout does, then stops in one line.
-WAIT_FOR_MIN_SECONDS = 600.0
 
 
 def add_restart_arguments(parser):
@@ -213,15 +206,14 @@ class Launcher:
     self._signalled = None
     self._job = None
     self._scratch = None
-    self._cluster = args.cluster
-    self._discover = discover if args.cluster.elastic else None
-    self._drop_worker = drop_worker
-    self._discover_every = discover_every_seconds
-    self._next_discovery = time.monotonic() + discover_every_seconds
+    self._members = Membership(
+        args.cluster, discover=discover, drop_worker=drop_worker,
+        every_seconds=discover_every_seconds,
+        backoff_seconds=args.backoff_seconds, log=self._log,
+        sleep=self._sleep)
     self._resize_to = None  # A size change asked of the running group.
     self._failed_at = None
     self._failed_task = None  # The task whose failure ended an attempt.
-    self._changes = []  # When membership changed, within the window.
     self._job_error = False
 
   def _log(self, message):
@@ -250,10 +242,17 @@ class Launcher:
       if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup
         signal.signal(signum, self._on_signal)
     restarts = port_retries = attempts = 0
-    if self._discover and not self._wait_for_min_slots():
+    if self._members.discovers and not self._members.wait_for_min_slots():
       return 128 + self._signalled if self._signalled else 1
     while True:
-      code, failed = self._run_once(attempts)
+      try:
+        code, failed = self._run_once(attempts)
+      except SlotsUnavailable as e:
+        # An elastic group that cannot be placed at its size (Ray may list
+        # a node that is gone as alive) runs one smaller while MIN allows.
+        if not self._members.shrink_unplaceable(str(e)):
+          raise
+        continue
       attempts += 1
       if self._signalled:
         self._log(f"stopped by signal {self._signalled}.")
@@ -286,19 +285,18 @@ class Launcher:
         self._log(f"{failed} was preempted and saved a checkpoint; "
                   "resuming the job (a preemption uses no restart).")
         continue
-      if restarts >= self._args.max_restarts and self._cluster.elastic and (
+      cluster = self._members.cluster
+      if restarts >= self._args.max_restarts and cluster.elastic and (
           failed.startswith("worker:")):
-        if self._cluster.workers - 1 < self._cluster.min_workers:
+        if not self._members.can_shrink():
           self._log(f"{failed} exited with code {code} with no restarts "
-                    f"left, and {self._cluster.workers - 1} worker(s) would "
-                    f"be below the minimum of {self._cluster.min_workers} "
+                    f"left, and {cluster.workers - 1} worker(s) would "
+                    f"be below the minimum of {cluster.min_workers} "
                     "(--workers=MIN:MAX). Training did not finish.")
           return code if code > 0 else 1
-        if (self._drop_worker and self._failed_task
-            and code != PEER_LOST_EXIT_CODE):  # It lost a peer; not lost.
-          self._drop_worker(self._failed_task.spec)
+        self._members.drop(self._failed_task)
         if not self._change_membership(
-            self._cluster.workers - 1,
+            cluster.workers - 1,
             f"{failed} exited with code {code} with no restarts left"):
           return 128 + self._signalled if self._signalled else (
               code if code > 0 else 1)
@@ -318,88 +316,19 @@ class Launcher:
         return 128 + self._signalled
 
   def _change_membership(self, workers, why):
-    """Resizes the group; False when the job must stop instead: more
-    than MAX_MEMBERSHIP_CHANGES (or 3 per slot of MAX) within
-    MEMBERSHIP_WINDOW_SECONDS (a group
-    that never holds together, such as a host that fails each time
-    discovery offers it again), or a signal during the backoff."""
-    now = time.monotonic()
-    self._changes = [t for t in self._changes
-                     if now - t < MEMBERSHIP_WINDOW_SECONDS] + [now]
-    # A large job sees more churn: at least 3 changes per slot of MAX.
-    limit = max(MAX_MEMBERSHIP_CHANGES, 3 * self._cluster.max_workers)
-    if len(self._changes) > limit:
-      self._log(f"{len(self._changes)} membership changes within "
-                f"{MEMBERSHIP_WINDOW_SECONDS / 60:.0f} minutes (the last: "
-                f"{why}): the group does not hold together; stopping. "
-                "Training did not finish.")
-      return False
-    old = self._cluster.workers
-    self._cluster = dataclasses.replace(self._cluster, workers=workers)
-    lost = time.monotonic() - self._failed_at if self._failed_at else 0.0
-    self._log(f"membership change: {old} -> {workers} workers ({why}); "
-              f"the group restarts from the last checkpoint with a new "
-              f"TF_CONFIG (stopping the old group took {lost:.1f}s).")
-    if len(self._changes) == 1:
-      return True
-    # Changes in a row back off as restarts do.
-    delay = min(self._args.backoff_seconds * 2 ** (len(self._changes) - 2),
-                30.0)
-    self._log(f"membership change {len(self._changes)} within "
-              f"{MEMBERSHIP_WINDOW_SECONDS / 60:.0f} minutes: the new group "
-              f"starts in {delay:.1f}s.")
-    return not self._sleep(delay)
+    stopped_in = time.monotonic() - self._failed_at if self._failed_at else 0.0
+    return self._members.change(workers, why, stopped_in=stopped_in)
 
-  def _wait_for_min_slots(self):
-    """At the start: runs discovery until it offers at least MIN slots,
-    then sizes the group; False after WAIT_FOR_MIN_SECONDS or a signal."""
-    deadline = time.monotonic() + WAIT_FOR_MIN_SECONDS
-    said = False
-    while True:
-      slots = self._discover()
-      if slots is not None and slots >= self._cluster.min_workers:
-        break
-      if not said:
-        offer = ("no answer" if slots is None else
-                 f"{slots} worker slot(s), fewer than the minimum of "
-                 f"{self._cluster.min_workers}")
-        self._log(f"discovery gives {offer}; waiting for more.")
-        said = True
-      if time.monotonic() > deadline:
-        self._log(f"discovery offered fewer than "
-                  f"{self._cluster.min_workers} worker slots for "
-                  f"{WAIT_FOR_MIN_SECONDS:.0f}s (--workers=MIN:MAX). "
-                  "Training did not start.")
-        return False
-      if self._sleep(self._discover_every):
-        return False
-    self._cluster = dataclasses.replace(
-        self._cluster, workers=min(slots, self._cluster.max_workers))
-    self._log(f"discovery offers {slots} worker slot(s): "
-              f"starting with {self._cluster.workers} workers.")
-    return True
 
   def _poll_discovery(self):
     """Called while the group runs: asks the group to save and restart
     when the slots on offer give another size within MIN:MAX."""
-    now = time.monotonic()
-    if (self._discover is None or self._resize_to is not None
-        or now < self._next_discovery):
+    if self._resize_to is not None:
       return
-    self._next_discovery = now + self._discover_every
-    slots = self._discover()
-    if slots is None or slots < self._cluster.min_workers:
-      # Below MIN the group carries on; if its hosts are really gone, its
-      # workers fail and the shrink rule decides.
-      return
-    wanted = min(slots, self._cluster.max_workers)
-    if wanted == self._cluster.workers:
-      return
-    self._resize_to = wanted
-    self._log(f"discovery offers {slots} worker slot(s): asking "
-              f"the group to save its step (SIGTERM) and restart with "
-              f"{wanted} workers.")
-    self._job.forward(signal.SIGTERM)
+    wanted = self._members.offered_size()
+    if wanted is not None:
+      self._resize_to = wanted
+      self._job.forward(signal.SIGTERM)
 
   def _sleep(self, seconds):
     """Sleeps unless a signal arrives; returns True if one did."""
@@ -411,7 +340,7 @@ class Launcher:
   def _run_once(self, attempt):
     self._resize_to = None
     args = argparse.Namespace(**{**vars(self._args),
-                                 "cluster": self._cluster})
+                                 "cluster": self._members.cluster})
     self._job = processes.Job(self._make_tasks(args), out=self._out,
                               grace_seconds=self._args.stop_grace_seconds,
                               log=self._log, scratch_root=self._scratch,
@@ -426,10 +355,16 @@ class Launcher:
       self._job_error = (code not in _NOT_THE_JOBS_ERROR and code > 0
                          and self._resize_to is None
                          and self._job.failed_alike(code, JOB_ERROR_WINDOW))
-      return code, failed
     finally:
       self._job.stop()
+      cause = self._job.cause(self._failed_task)
       self._job = None
+    if cause is not self._failed_task:
+      self._log(f"{cause.name} was lost (its process is gone with its "
+                f"host); {failed} only lost a peer.")
+      self._failed_task = cause
+      return cause.process.poll(), cause.name
+    return code, failed
 
   def _wait_restarting_alone(self):
     """Waits for the job; restarts a task on its own where that is enough.
@@ -464,10 +399,11 @@ class Launcher:
         self._job.abandon(task)
         left = [t.name for t in self._job.tasks if t.spec.role == role and
                 not t.abandoned]
-        if left and len(left) < (self._cluster.min_workers or 1):
+        minimum = self._members.cluster.min_workers
+        if left and len(left) < (minimum or 1):
           self._log(f"{task.name} exited with code {code} and has no "
                     f"restarts left; {len(left)} worker(s) left is below the "
-                    f"minimum of {self._cluster.min_workers} "
+                    f"minimum of {minimum} "
                     "(--workers=MIN:MAX): asking the chief to checkpoint "
                     "and stop.")
           left = []

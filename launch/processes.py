@@ -161,6 +161,15 @@ class Job:
         return task.process.poll(), task
       time.sleep(self._poll_seconds)
 
+  def cause(self, failed):
+    """After stop(): the task whose loss ended the attempt. One that only
+    lost a peer gives way to one whose process was lost (a Ray actor on a
+    node that is gone), which the launcher may learn of only later."""
+    if failed is None or failed.process.poll() != PEER_LOST_EXIT_CODE:
+      return failed
+    lost = [t for t in self.tasks if getattr(t.process, "lost", False)]
+    return lost[0] if lost else failed
+
   def failed_alike(self, code, timeout):
     """True when every training task exits with `code` within `timeout`
     seconds: an error of the job (a bad flag, a bug), not a lost task."""

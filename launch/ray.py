@@ -223,7 +223,7 @@ class RayJob:
       self._group = None
 
 
-class PlacementError(RuntimeError):
+class PlacementError(core.SlotsUnavailable):
   """Ray cannot place the job's bundles."""
 
 

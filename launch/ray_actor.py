@@ -168,6 +168,7 @@ class RemoteProcess:
     self._ray = ray_module
     self._actor = actor
     self._returncode = None
+    self.lost = False  # The actor is gone (its node, say), not just exited.
     self.pid, self.actor_pid = ray_module.get(
         actor.start.remote(argv, env, cwd))
     self.stdout = self._lines()
@@ -180,6 +181,7 @@ class RemoteProcess:
     except self._ray.exceptions.RayActorError:
       if self._returncode is None:
         self._returncode = ACTOR_LOST_CODE
+        self.lost = True
       return None
 
   def _lines(self):

@@ -32,7 +32,7 @@ def _exit_after(seconds, code):
 
 
 def _launcher(cluster, scripts, *, max_restarts=3, backoff_seconds=0.1,
-              discover=None):
+              discover=None, places_at_most=None):
   """A Launcher whose tasks run the given Python one-liners, and the
   stream its log goes to."""
   args = argparse.Namespace(cluster=cluster, max_restarts=max_restarts,
@@ -41,6 +41,9 @@ def _launcher(cluster, scripts, *, max_restarts=3, backoff_seconds=0.1,
   out = io.StringIO()
 
   def make_tasks(attempt_args):
+    if places_at_most and attempt_args.cluster.workers > places_at_most:
+      raise core.SlotsUnavailable(
+          f"could not place {attempt_args.cluster.workers} workers")
     specs = []
     for role, count in attempt_args.cluster.counts().items():
       for index in range(count):
@@ -234,3 +237,24 @@ def test_elastic_run_ignores_offers_below_min_and_grows_to_max():
   assert code == 0, log
   changes = [l for l in log.splitlines() if "membership change" in l]
   assert len(changes) == 1 and "3 -> 4 workers" in changes[0], log
+
+
+def test_elastic_group_that_cannot_be_placed_restarts_one_smaller():
+  """Discovery offers 3 slots (Ray may list a node that is gone as alive),
+  but only 2 workers can be placed: the group runs with 2 instead of the
+  job ending; below MIN the placement error ends it."""
+  cluster = description.ClusterDescription(workers=3, min_workers=2,
+                                           max_workers=3)
+  scripts = {f"worker:{i}": _exit_after(0.2, 0) for i in range(3)}
+  launcher, out = _launcher(cluster, scripts, discover=_offers(3),
+                            places_at_most=2)
+  code, _ = _run_with_deadline(launcher, 30)
+  log = out.getvalue()
+  assert code == 0, log
+  assert ("membership change: 3 -> 2 workers (could not place 3 workers; "
+          "trying one fewer)") in log
+  assert "started worker:1" in log and "started worker:2" not in log
+  launcher, out = _launcher(cluster, scripts, discover=_offers(3),
+                            places_at_most=1)
+  with pytest.raises(core.SlotsUnavailable, match="could not place 2"):
+    _run_with_deadline(launcher, 30)
