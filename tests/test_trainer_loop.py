@@ -12,6 +12,7 @@ from tfdist import compiled_loops
 from tfdist import loop_wire
 from tfdist import preemption
 from tfdist import data
+from tfdist import evaluation
 from tfdist import trainer as trainer_lib
 from tfdist.errors import NonFiniteLossError
 
@@ -119,7 +120,10 @@ def _trainer(*, restore_to=None, bad_step=None, **options):
       options=trainer_lib.LoopOptions(**{**defaults, **options}),
       model=None, optimizer=None, global_step=global_step, runner=runner,
       loops=FakeLoops(), checkpoints=store, summaries=summaries,
-      inputs=inputs, describe="fake", learning_rate=lambda step: 0.5)
+      inputs=inputs, describe="fake", learning_rate=lambda step: 0.5,
+      eval_pass=evaluation.EvalPass(runner=runner, inputs=inputs,
+                                    metrics=FakeLoops.metrics,
+                                    summaries=summaries))
   return trainer, runner, store, summaries
 
 

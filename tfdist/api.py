@@ -138,32 +138,36 @@ def run(config, *, task=None, tf_config=None, show_native_logs=False,
                tempfile.mkdtemp(prefix=f"tfdist-worker{info.worker_index}-"))
   try:
     with process_settings(config):
-      trainer = builder.build_trainer(
-          config, info, builder.resolve_task(config, info, task),
-          write_dir=write_dir,
-          callbacks=builder.resolve_callbacks(config, callbacks))
+      task = builder.resolve_task(config, info, task)
+      if role is Role.EVALUATOR:
+        evaluator = builder.build_evaluator(config, info, task,
+                                            write_dir=write_dir)
+      else:
+        trainer = builder.build_trainer(
+            config, info, task, write_dir=write_dir,
+            callbacks=builder.resolve_callbacks(config, callbacks))
     if role is Role.EVALUATOR and config.mode == "eval":
-      return trainer.evaluate_once(config.checkpoint or None)
+      return evaluator.evaluate_once(config.checkpoint or None)
     if role is Role.EVALUATOR:
-      return _run_sidecar(trainer, config)
+      return _run_sidecar(evaluator, config)
     return trainer.run()
   finally:
     if write_dir != config.model_dir:
       shutil.rmtree(write_dir, ignore_errors=True)
 
 
-def _run_sidecar(trainer, config):
+def _run_sidecar(evaluator, config):
   logging.info("%s: watching %s for checkpoints up to step %d.",
                ("Continuous eval" if config.mode == "continuous_eval"
                 else "Sidecar evaluator"), config.model_dir,
                config.train_steps)
-  metrics = trainer.evaluate_checkpoints(
+  metrics = evaluator.evaluate_checkpoints(
       timeout_seconds=config.sidecar_timeout)
   if metrics is None:
     raise TfdistError(f"sidecar evaluator: no checkpoint at step "
                       f"{config.train_steps} appeared in {config.model_dir} "
                       f"within {config.sidecar_timeout:g}s.")
-  logging.info("Sidecar evaluator done at step %d.", trainer.step)
+  logging.info("Sidecar evaluator done at step %d.", evaluator.step)
   return None
 
 

@@ -22,6 +22,7 @@ from tfdist import config as config_lib
 from tfdist import data
 from tfdist import devices
 from tfdist import ema
+from tfdist import evaluation
 from tfdist import metric_direction
 from tfdist import export
 from tfdist import optimizers
@@ -443,8 +444,23 @@ def _chief_broadcast(info, parts, tracker):
       then=parts.sharded.share_restored if parts.sharded else None)
 
 
-def build_trainer(config, info, task, *, write_dir, callbacks=()):
-  """Every part of a run, handed to a Trainer."""
+@dataclasses.dataclass(frozen=True)
+class _RunParts:
+  """What a training run and a sidecar evaluator are both made of."""
+
+  inputs: object
+  parts: object
+  loops: object
+  store: object
+  runner: object
+  summaries: object
+  eval_pass: object
+  keeper: object  # An evaluation.BestKeeper, or None.
+  callbacks: object  # A callbacks_lib.Callbacks, or None.
+  export_fn: object
+
+
+def _run_parts(config, info, task, *, write_dir, callbacks):
   local = devices.local_devices()
   preflight.check_run(config, info, local)
   inputs = _inputs(config, info, task)
@@ -455,17 +471,49 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
     _log_ps_placement(parts.model)
   tracker, keras_callbacks = _best_and_callbacks(
       config, info, parts, store, loops.metrics.names, callbacks)
-  model, optimizer = parts.model, parts.optimizer
+  runner = runners.create(info, loops, train_feed=config.train_feed)
+  summaries = summaries_lib.Summaries(
+      config.model_dir, enabled=info.is_chief,
+      metrics_file=config.metrics_file or None)
+  export_fn = _export_fn(
+      config, task, parts, inputs, write_dir,
+      trains=(info.reason != "sidecar evaluator"
+              and config.mode in ("train", "train_and_eval")))
+  return _RunParts(
+      inputs=inputs, parts=parts, loops=loops, store=store, runner=runner,
+      summaries=summaries,
+      eval_pass=evaluation.EvalPass(
+          runner=runner, inputs=inputs, metrics=loops.metrics,
+          summaries=summaries,
+          eval_weights=functools.partial(ema.averaged_weights,
+                                         parts.optimizer)),
+      keeper=(evaluation.BestKeeper(tracker=tracker, checkpoints=store,
+                                    export_fn=export_fn)
+              if tracker else None),
+      callbacks=keras_callbacks, export_fn=export_fn)
+
+
+def build_evaluator(config, info, task, *, write_dir):
+  """A sidecar evaluator (--mode=eval, continuous_eval, the evaluator
+  task) over the parts of a run."""
+  run = _run_parts(config, info, task, write_dir=write_dir, callbacks=())
+  return evaluation.SidecarEvaluator(
+      train_steps=config.train_steps, global_step=run.parts.global_step,
+      checkpoints=run.store, eval_pass=run.eval_pass,
+      summaries=run.summaries, keeper=run.keeper)
+
+
+def build_trainer(config, info, task, *, write_dir, callbacks=()):
+  """Every part of a run, handed to a Trainer."""
+  run = _run_parts(config, info, task, write_dir=write_dir,
+                   callbacks=callbacks)
+  parts, model, optimizer = run.parts, run.parts.model, run.parts.optimizer
   return trainer_lib.Trainer(
       options=trainer_lib.LoopOptions.from_config(config), model=model,
       optimizer=optimizer, global_step=parts.global_step,
-      runner=runners.create(info, loops, train_feed=config.train_feed),
-      loops=loops, checkpoints=store,
-      summaries=summaries_lib.Summaries(
-          config.model_dir, enabled=info.is_chief,
-          metrics_file=config.metrics_file or None),
-      inputs=inputs,
-      describe=(f"{task.display_name} on {inputs.name} with {info.name} "
+      runner=run.runner, loops=run.loops, checkpoints=run.store,
+      summaries=run.summaries, inputs=run.inputs, eval_pass=run.eval_pass,
+      describe=(f"{task.display_name} on {run.inputs.name} with {info.name} "
                 f"over {info.num_replicas} replica(s)"),
       learning_rate=functools.partial(_learning_rate_at, optimizer,
                                       parts.schedule),
@@ -473,16 +521,13 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
           strategy=info.strategy, variables=model.weights,
           replicas_per_worker=max(info.num_replicas // info.num_workers, 1))
                        if config.check_replicas_every else None),
-      export_fn=_export_fn(
-          config, task, parts, inputs, write_dir,
-          trains=(info.reason != "sidecar evaluator"
-                  and config.mode in ("train", "train_and_eval"))),
-      after_restore=_after_restore_fn(config, parts, store),
+      export_fn=run.export_fn,
+      after_restore=_after_restore_fn(config, parts, run.store),
       hparams=config.to_dict(),
       startup_scalars=_startup_scalars(info, parts),
-      chief_broadcast=_chief_broadcast(info, parts, tracker),
-      callbacks=keras_callbacks, best=tracker,
-      eval_weights=functools.partial(ema.averaged_weights, optimizer),
+      chief_broadcast=_chief_broadcast(
+          info, parts, run.keeper.tracker if run.keeper else None),
+      callbacks=run.callbacks, best=run.keeper,
       warm_start=(functools.partial(
           warm_start_lib.load, model, config.init_checkpoint,
           skip=config.init_checkpoint_skip)

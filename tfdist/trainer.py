@@ -6,7 +6,6 @@ the checkpoint store and the summaries. How steps run on each strategy
 lives in the runner; this loop is the same for all of them.
 """
 
-import contextlib
 import dataclasses
 import datetime
 import time
@@ -91,12 +90,12 @@ class Trainer:
   """Runs one training job with the parts it is given."""
 
   def __init__(self, *, options: LoopOptions, model, optimizer, global_step,
-               runner, loops, checkpoints, summaries, inputs, describe,
-               learning_rate: Callable[[int], float],
+               runner, loops, checkpoints, summaries, inputs, eval_pass,
+               describe, learning_rate: Callable[[int], float],
                replica_checker=None, export_fn=None, after_restore=None,
                hparams: Optional[dict] = None, startup_scalars=None,
                chief_broadcast=None, callbacks=None, best=None,
-               warm_start=None, eval_weights=None):
+               warm_start=None):
     self._options = options
     self.model = model
     self.optimizer = optimizer
@@ -105,7 +104,8 @@ class Trainer:
     self._metrics = loops.metrics
     self._checkpoints = checkpoints
     self._summaries = summaries
-    self._inputs = inputs  # A tfdist.data.Inputs.
+    self._inputs = inputs  # A tfdist.data.Inputs: its train_fn.
+    self._eval_pass = eval_pass  # A tfdist.evaluation.EvalPass.
     self._describe = describe  # "mlp on digits with default".
     self._learning_rate = learning_rate
     self._replica_checker = replica_checker
@@ -118,15 +118,12 @@ class Trainer:
     self._chief_broadcast = chief_broadcast
     # A tfdist.callbacks.Callbacks: Keras callbacks, and their stop.
     self._callbacks = callbacks
-    # A tfdist.best.BestTracker: keeps the best eval's checkpoint and
+    # A tfdist.evaluation.BestKeeper: keeps the best eval's checkpoint and
     # export, and stops early.
     self._best = best
     # Loads the model's weights from another run when model_dir has no
     # checkpoint (--init_checkpoint); its source, for the log.
     self._warm_start = warm_start
-    # A context in which the model holds the weights evals use (the
-    # moving average with --ema_decay).
-    self._eval_weights = eval_weights or contextlib.nullcontext
     self._last_checkpoint = None
     self._watch = preemption.Unwatched()  # What run() watches SIGTERM with.
     self._eval_sums = None
@@ -192,7 +189,7 @@ class Trainer:
       else:
         self._warm_start()
     if self._best:
-      self._best.load(self._checkpoints.read_best_state())
+      self._best.load()
     own_step = self.step
     if restored:
       logging.info("Resumed from %s at step %d.", restored, own_step)
@@ -212,52 +209,9 @@ class Trainer:
     return restored
 
   def evaluate(self, step):
-    """One pass over the eval split (or eval_steps batches), exact."""
-    with self._eval_weights():
-      sums = self._runner.evaluate(self._inputs.eval_fn(),
-                                   self._inputs.eval_steps)
-    self._eval_sums = sums  # Its agreed stop: see _after_eval.
-    examples = max(sums.examples, 1.0)
-    metrics = {"loss": sums.loss_sum / examples,
-               **self._metrics.results(sums.metric_states),
-               "examples": int(sums.examples)}
-    names = [k for k in metrics if k not in ("loss", "examples")] + ["loss"]
-    shown = "  ".join(f"{k} {metrics[k]:.4f}" for k in names)
-    logging.info("eval  step %d: %s  (%d examples)", step, shown,
-                 metrics["examples"])
+    """One exact eval pass; its agreed stop is acted on in _after_eval."""
+    metrics, self._eval_sums = self._eval_pass.run(step)
     self._last_eval = (step, metrics)
-    self._summaries.scalars("eval", step, {k: v for k, v in metrics.items()
-                                           if k != "examples"})
-    return metrics
-
-  def evaluate_once(self, checkpoint=None):
-    """--mode=eval: restores `checkpoint` (default: the latest in
-    model_dir), evaluates it once and writes its eval events."""
-    started = time.perf_counter()
-    path = self._checkpoints.restore_for_eval(checkpoint)
-    try:
-      metrics = self.evaluate(self.step)
-    finally:
-      self._summaries.close()
-    return RunResult(step=self.step, eval_metrics=metrics, train_metrics={},
-                     checkpoint=path, export_dir=None,
-                     seconds=time.perf_counter() - started)
-
-  def evaluate_checkpoints(self, *, timeout_seconds):
-    """Sidecar evaluator: evaluates each new checkpoint in model_dir until
-    one at train_steps; returns the last metrics, or None on timeout."""
-    metrics = None
-    if self._best:
-      self._best.load(self._checkpoints.read_best_state())
-    for path in self._checkpoints.new_checkpoints(timeout_seconds):
-      metrics = self.evaluate(self.step)
-      if self._track_best(self.step, metrics, checkpoint=path):
-        logging.info("The training run stops at its next checkpoint "
-                     "(best.json tells its chief).")
-        break
-      if self.step >= self._options.train_steps:
-        break
-    self._summaries.close()
     return metrics
 
   # The outer loop -----------------------------------------------------
@@ -335,32 +289,18 @@ class Trainer:
     self._runner.stop_if_signalled(self._eval_sums)
     return early_stop
 
-  def _track_best(self, step, metrics, checkpoint=None):
-    """After an eval: keeps this step's checkpoint (saved now if it is not
-    yet; a sidecar passes the one it evaluated) and export when the eval
-    is the best so far; returns whether to stop early."""
+  def _track_best(self, step, metrics):
+    """After an eval: the best keeps this step's checkpoint (saved now if
+    it is not yet) when the eval is the best so far; returns whether to
+    stop early."""
     if not self._best:
       return False
-    best = self._best
-    decision = best.update(step, metrics)
-    if decision.improved:
-      if checkpoint is None:
-        self._save_unless_saved()
-        checkpoint = self._last_checkpoint
-      kept = self._checkpoints.keep_best(checkpoint, best.state())
-      if self._export_fn:
-        self._export_fn(best=True)
-      logging.info("Best %s so far: %.4f at step %d%s.", best.metric,
-                   metrics[best.metric], step,
-                   f", kept in {kept}" if kept else "")
-    else:
-      self._checkpoints.update_best_state(best.state())
-    if decision.stop:
-      logging.info("Early stopping at step %d: no better %s in %d evals "
-                   "(best %.4f at step %d).", step, best.metric,
-                   best.patience, float(best.best_value.numpy()),
-                   int(best.best_step.numpy()))
-    return decision.stop
+    return self._best.update(step, metrics,
+                             checkpoint_fn=self._saved_checkpoint)
+
+  def _saved_checkpoint(self):
+    self._save_unless_saved()
+    return self._last_checkpoint
 
   def _call_logs(self, sums):
     return {"loss": sums.loss_sum / max(sums.steps, 1),
