@@ -128,9 +128,12 @@ def _train_flag(train_args, name):
   the flags or a flagfile, else the option's default. _Unreadable when a
   flagfile cannot be read here."""
   value = tfdist_options.BY_NAME[name].default
-  for arg in _expanded(train_args):
+  args = list(_expanded(train_args))
+  for arg, following in zip(args, args[1:] + [None]):
     if arg.startswith(f"--{name}="):
       value = arg.split("=", 1)[1]
+    elif arg == f"--{name}" and following is not None:
+      value = following  # absl takes "--name value" too.
   return value
 
 
@@ -248,9 +251,7 @@ class Launcher:
       try:
         code, failed = self._run_once(attempts)
       except SlotsUnavailable as e:
-        # An elastic group that cannot be placed at its size (Ray may list
-        # a node that is gone as alive) runs one smaller while MIN allows.
-        if not self._members.shrink_unplaceable(str(e)):
+        if self._signalled or not self._place_smaller(e):
           raise
         continue
       attempts += 1
@@ -315,6 +316,12 @@ class Launcher:
       if self._sleep(delay):
         return 128 + self._signalled
 
+  def _place_smaller(self, error):
+    """An elastic group that cannot be placed at its size (Ray may list
+    a node that is gone as alive) runs one smaller while MIN allows."""
+    self._failed_at = None
+    return self._members.shrink_unplaceable(str(error))
+
   def _change_membership(self, workers, why):
     stopped_in = time.monotonic() - self._failed_at if self._failed_at else 0.0
     return self._members.change(workers, why, stopped_in=stopped_in)
@@ -349,6 +356,8 @@ class Launcher:
     for task in self._job.tasks:
       self._log(f"started {task.name} pid={task.process.pid} at "
                 f"{task.address} (attempt {attempt + 1})")
+    if self._signalled:  # It came while the tasks were made (Ray places).
+      self._job.forward(self._signalled)
     try:
       code, failed = self._wait_restarting_alone()
       self._failed_at = time.monotonic()

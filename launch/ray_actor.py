@@ -198,7 +198,10 @@ class RemoteProcess:
 
   def poll(self):
     if self._returncode is None:
-      self._returncode = self._call("poll")
+      code = self._call("poll")
+      # A lost actor set the code inside _call: None must not undo it.
+      if self._returncode is None:
+        self._returncode = code
     return self._returncode
 
   def wait(self, timeout=None):

@@ -135,6 +135,9 @@ def test_bad_elastic_flags_are_one_line(tmp_path):
        "batch_size=64"),
       (["--workers=2:3"], [f"--flagfile={flagfile}"],
        "which 2, 3 worker(s) cannot split. Received: batch_size=49"),
+      # absl's "--name value" form is read too (not the default 64).
+      (["--workers=2:3"], ["--batch_size", "49"],
+       "which 2, 3 worker(s) cannot split. Received: batch_size=49"),
       (["--chief", "--workers=1:2"], batch64, "which 2 worker(s) and the "
        "chief cannot split. Received: batch_size=64"),
       (["--workers=1:2"], [*batch64, "--num_cpu_devices=3"], "which 1, 2 "

@@ -258,3 +258,47 @@ def test_elastic_group_that_cannot_be_placed_restarts_one_smaller():
                             places_at_most=1)
   with pytest.raises(core.SlotsUnavailable, match="could not place 2"):
     _run_with_deadline(launcher, 30)
+
+
+class _Exited:
+  """A process that has exited with `code`; `lost` as launch.ray's
+  RemoteProcess says when its actor is gone with its node."""
+
+  def __init__(self, code, lost=False):
+    self.code, self.lost = code, lost
+
+  def poll(self):
+    return self.code
+
+
+def test_the_task_lost_with_its_host_is_the_cause_not_its_peers():
+  """A peer that only lost a peer (exit 5) gives way to the task whose
+  process is gone with its host, which the launcher may learn of only
+  after the peers: that one's host is dropped (the Ray failure in CI)."""
+  from launch import membership
+  from launch import processes
+  specs = [description.TaskSpec(role="worker", index=i,
+                                address=f"127.0.0.1:{i}", argv=[], env={})
+           for i in range(3)]
+  job = processes.Job(specs, out=io.StringIO())
+  first, gone, other = job.tasks
+  first.process, gone.process = _Exited(5), _Exited(-9, lost=True)
+  other.process = _Exited(5)
+  assert job.cause(first) is gone
+  dropped = []
+  members = membership.Membership(
+      description.ClusterDescription(workers=3, min_workers=2,
+                                     max_workers=3),
+      discover=lambda: 3, drop_worker=dropped.append, every_seconds=1,
+      backoff_seconds=0.1, log=lambda m: None, sleep=lambda s: False)
+  members.drop(job.cause(first))
+  assert dropped == [gone.spec]
+  members.drop(first)  # It only lost a peer: nothing is dropped.
+  assert dropped == [gone.spec]
+  # A task with an error of its own stays the cause; so does a lost peer
+  # when no process was lost.
+  first.process = _Exited(1)
+  assert job.cause(first) is first
+  gone.process.lost = False
+  first.process = _Exited(5)
+  assert job.cause(first) is first

@@ -150,7 +150,9 @@ def run(config, *, task=None, tf_config=None, show_native_logs=False,
       return evaluator.evaluate_once(config.checkpoint or None)
     if role is Role.EVALUATOR:
       return _run_sidecar(evaluator, config)
-    return trainer.run()
+    from tfdist import runners  # pylint: disable=g-import-not-at-top
+    with runners.peer_losses_named(info.task_name, info.peers):
+      return trainer.run()
   finally:
     if write_dir != config.model_dir:
       shutil.rmtree(write_dir, ignore_errors=True)

@@ -7,6 +7,7 @@ import json
 from absl import logging
 import tensorflow as tf
 
+from tfdist import runners
 from tfdist import storage
 from tfdist.errors import CheckpointError
 
@@ -133,6 +134,9 @@ class CheckpointStore:
       with self._saving():
         path = self._manager.save(checkpoint_number=step)
     except (tf.errors.OpError, OSError) as e:
+      if runners.is_collective_failure(e):
+        raise  # A peer lost in a sharded save's gather: not the disk.
+
       storage.remove_tree(storage.join(self._write_dir, f"ckpt-{step}_temp"))
       reason = getattr(e, "message", None) or str(e)
       reason = reason.splitlines()[0].rsplit(";", 1)[-1].strip()[:120]

@@ -62,6 +62,7 @@ class SigtermFlag:
     self._noted = threading.Lock()
     self._disarmed = threading.Event()
     self._handled = 0
+    self._saved_step = None  # Saved for an agreed stop not yet reached.
     self.requested = False
     self._previous_handlers = None
     if threading.current_thread() is not threading.main_thread():
@@ -85,10 +86,6 @@ class SigtermFlag:
   def disarm(self):
     """From now on a SIGTERM ends nothing: what it would save is saved."""
     self._disarmed.set()
-
-  def saving(self):
-    """A context around a checkpoint save: the watchdog waits for it."""
-    return self._saving
 
   def close(self):
     """Disarms, and gives the caller back its handlers and wakeup fd (the
@@ -130,6 +127,16 @@ class SigtermFlag:
     with self._saving:  # A checkpoint being written is worth waiting for.
       if self._disarmed.is_set():
         return
+      if self._saved_step is not None:
+        # The stop's step is saved (what follows it, the best's export or
+        # the callbacks, outlasted the grace): the launcher resumes it.
+        sys.stderr.write(
+            f"tfdist: error: preempted (SIGTERM): checkpoint saved at step "
+            f"{self._saved_step}; {self._task_name} did not finish what "
+            f"follows the save within {self._grace_seconds:g}s, exiting "
+            f"with code {PREEMPTED_EXIT_CODE} so the launcher resumes.\n")
+        sys.stderr.flush()
+        os._exit(PREEMPTED_EXIT_CODE)  # pylint: disable=protected-access
       sys.stderr.write(
           f"tfdist: error: {self._task_name} got SIGTERM and could not "
           f"stop at an agreed step within {self._grace_seconds:g}s (a peer "
@@ -137,6 +144,14 @@ class SigtermFlag:
           f"{UNSAVED_EXIT_CODE}, without a new checkpoint.\n")
       sys.stderr.flush()
       os._exit(UNSAVED_EXIT_CODE)  # pylint: disable=protected-access
+
+  def save_for_stop(self, save_fn, step_fn):
+    """Saves the step an agreed stop stops at, before the work that comes
+    between (the watchdog waits meanwhile; if it fires later, it exits
+    with PREEMPTED_EXIT_CODE)."""
+    with self._saving:
+      save_fn()
+      self._saved_step = step_fn()
 
   def save_and_stop(self, save_fn, step_fn):
     """Saves (the watchdog waits meanwhile) and raises PreemptedError."""
@@ -153,9 +168,6 @@ class Unwatched:
 
   def disarm(self):
     pass
-
-  def saving(self):
-    return contextlib.nullcontext()
 
 
 class SigtermGuard:
@@ -196,12 +208,13 @@ class SigtermGuard:
   def disarm(self):
     self._flag.disarm()
 
-  def saving(self):
-    return self._flag.saving()
-
   def save_and_exit_if_signalled(self):
     if self._flag.requested:
       self._flag.save_and_stop(self._save_fn, self._step_fn)
+
+  def save_if_signalled(self):
+    if self._flag.requested:
+      self._flag.save_for_stop(self._save_fn, self._step_fn)
 
   def close(self):
     self._flag.close()

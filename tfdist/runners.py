@@ -52,6 +52,11 @@ class Runner(Protocol):
     """One exact eval pass of `num_steps` global batches. It never saves:
     the eval may run on other weights (the moving average)."""
 
+  def save_if_signalled(self, sums):
+    """Right after an eval, with the trained weights back: when a SIGTERM
+    was agreed during it, save now, before the best's export and the
+    callbacks (which may outlast the grace); stop_if_signalled stops."""
+
   def stop_if_signalled(self, sums):
     """After an eval, with the trained weights back: save and stop with
     PreemptedError when a SIGTERM was agreed (SyncRunner: `sums.stop`)."""
@@ -69,6 +74,34 @@ class InputEndedError(TfdistError):
 
 _INPUT_ENDED = ("the input ended before the steps asked of it: a task's "
                 "train_input must repeat for ever (end it with .repeat())")
+
+
+# What a collective raises when a peer is gone or stalled.
+COLLECTIVE_FAILURES = (tf.errors.DeadlineExceededError,
+                       tf.errors.UnavailableError, tf.errors.AbortedError,
+                       tf.errors.CancelledError)
+
+
+def is_collective_failure(error):
+  return isinstance(error, COLLECTIVE_FAILURES) and any(
+      word in error.message.lower()
+      for word in ("collective", "recvbuf", "socket closed",
+                   "failed to connect"))
+
+
+@contextlib.contextmanager
+def peer_losses_named(task_name, peers):
+  """A collective that fails outside a loop call (the callbacks'
+  agreement, the restore's broadcast, the replica check, a sharded save)
+  is a lost peer too: exit 5, never taken for this task's own error."""
+  try:
+    yield
+  except COLLECTIVE_FAILURES as e:
+    if not peers or not is_collective_failure(e):
+      raise
+    raise PeerError(f"a collective on {task_name} outside a loop call lost "
+                    f"a peer: a peer stopped answering. Peers: "
+                    f"{', '.join(peers)}.") from None
 
 
 def _chunks(num_steps, steps_per_call):
@@ -199,6 +232,10 @@ class SyncRunner:
         self._call(self._eval, iterator, num_steps,
                    watch_key=("eval", num_steps)), num_steps)
 
+  def save_if_signalled(self, sums):
+    if sums.stop and self._sigterm:
+      self._sigterm.save_for_stop(self._save_fn, self._step_fn)
+
   def stop_if_signalled(self, sums):
     self._stop_if_agreed(sums)
 
@@ -219,8 +256,7 @@ class SyncRunner:
       raise InputEndedError(
           f"{_INPUT_ENDED}, and its eval_input must give --eval_steps "
           "batches.") from None
-    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
-            tf.errors.AbortedError, tf.errors.CancelledError) as e:
+    except COLLECTIVE_FAILURES as e:
       # With several collectives in flight (the overlapped packs), the one
       # that timed out may cancel the others, and which error surfaces
       # first varies: its message still says it was a timeout.
@@ -325,6 +361,11 @@ class ParameterServerRunner:
     dataset = input_fn(tf.distribute.InputContext())
     vector = self._local_eval(iter(dataset), tf.constant(num_steps, tf.int32))
     return self._loops.wire.unpack_eval(vector.numpy(), num_steps)
+
+  def save_if_signalled(self, sums):
+    del sums  # A SIGTERM that came during the eval.
+    if self._guard:
+      self._guard.save_if_signalled()
 
   def stop_if_signalled(self, sums):
     del sums  # A SIGTERM that came during the eval.

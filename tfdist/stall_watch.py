@@ -5,10 +5,13 @@ then crashes the process (TF 2.21: SIGABRT in
 CancellationManager::DeregisterCallback from GrpcRemoteWorker::RecvBufAsync
 after "StartAbort DEADLINE_EXCEEDED"): the task then dies by a signal
 instead of naming its peer and exiting with the lost-peer code. So a loop
-call that runs `timeout_seconds` past its usual length ends the task here,
-from a timer thread, with that line and code, and TF's own timeout (set
-later, see `tf_backstop_seconds`) is only a backstop for a stall in the
-first call of a loop, whose usual length is not known yet.
+call that runs past its deadline, its usual length plus the larger of
+`timeout_seconds` and that length (a call may take twice its usual time
+before it counts as stalled), ends the task here, from a timer thread,
+with that line and code. TF's own timeout (`tf_backstop_seconds`) is the
+backstop: for the first call of a loop, whose usual length is not known
+yet, for collectives outside loop calls, and for calls longer than
+`timeout_seconds`, where it may act first (TF's abort, as before).
 """
 
 import contextlib
@@ -27,7 +30,8 @@ def tf_backstop_seconds(timeout_seconds):
 
 
 class StallWatch:
-  """Per loop call: a deadline of its usual length plus the timeout."""
+  """Per loop call: a deadline of its usual length plus the larger of
+  the timeout and that length."""
 
   def __init__(self, *, timeout_seconds, message, err=None,
                exit_fn=os._exit, clock=time.monotonic):
@@ -50,18 +54,25 @@ class StallWatch:
       return None
     return lengths[0] if lengths[1] is None else lengths[1]
 
+  def deadline_seconds(self, key):
+    usual = self.usual_seconds(key)
+    return None if usual is None else usual + max(self._timeout, usual)
+
   @contextlib.contextmanager
   def watching(self, key):
-    usual = self.usual_seconds(key)
+    deadline = self.deadline_seconds(key)
+    call = {"done": False, "lock": threading.Lock()}
     timer = None
-    if usual is not None:
-      timer = threading.Timer(usual + self._timeout, self._fire)
+    if deadline is not None:
+      timer = threading.Timer(deadline, self._fire, args=(call,))
       timer.daemon = True
       timer.start()
     started = self._clock()
     try:
       yield
     finally:
+      with call["lock"]:  # A call that ends at its deadline ends well.
+        call["done"] = True
       if timer:
         timer.cancel()
     self._record(key, self._clock() - started)
@@ -74,9 +85,12 @@ class StallWatch:
       self._lengths[key][1] = seconds if later is None else max(later,
                                                                 seconds)
 
-  def _fire(self):
+  def _fire(self, call):
     # No unwinding: the main thread is blocked inside TF, and a clean exit
     # would wait on it (or on TF's crashy abort).
-    self._err.write(f"tfdist: error: {self._message}\n")
-    self._err.flush()
-    self._exit(PEER_LOST_EXIT_CODE)
+    with call["lock"]:
+      if call["done"]:
+        return
+      self._err.write(f"tfdist: error: {self._message}\n")
+      self._err.flush()
+      self._exit(PEER_LOST_EXIT_CODE)

@@ -14,7 +14,6 @@ from typing import Callable, Optional
 from absl import logging
 import numpy as np
 
-from tfdist import preemption
 from tfdist.errors import NonFiniteLossError
 
 
@@ -125,7 +124,6 @@ class Trainer:
     # checkpoint (--init_checkpoint); its source, for the log.
     self._warm_start = warm_start
     self._last_checkpoint = None
-    self._watch = preemption.Unwatched()  # What run() watches SIGTERM with.
     self._eval_sums = None
     self._iterator, self._iterator_step = None, None
     self._saved_step = None
@@ -149,7 +147,6 @@ class Trainer:
     callbacks = self._callbacks
     try:
       with watched as watch:
-        self._watch = watch
         if callbacks:
           callbacks.train_begin(self.step)
         if self.step < options.train_steps:
@@ -168,7 +165,6 @@ class Trainer:
         if callbacks:
           callbacks.train_end(train_metrics)
     finally:
-      self._watch = preemption.Unwatched()
       self._summaries.close()
     return RunResult(step=self.step, eval_metrics=eval_metrics,
                      train_metrics=train_metrics,
@@ -281,8 +277,10 @@ class Trainer:
   def _after_eval(self, step, metrics, train_logs):
     """The best and the callbacks take the eval; then a SIGTERM agreed
     during it saves and stops (out of the eval weights, and with this
-    eval counted, as an uninterrupted run counts it). Returns whether to
-    stop early."""
+    eval counted, as an uninterrupted run counts it). Its step is saved
+    first: the best's export and the callbacks may outlast the grace.
+    Returns whether to stop early."""
+    self._runner.save_if_signalled(self._eval_sums)
     early_stop = self._track_best(step, metrics)
     if self._callbacks:
       self._callbacks.eval_end(step, metrics, train_logs)
