@@ -31,9 +31,6 @@ class FakeRunner:
     del save_fn, step_fn, grace_seconds
     return contextlib.nullcontext(preemption.Unwatched())
 
-  def save_if_signalled(self, sums):
-    del sums
-
   def stop_if_signalled(self, sums):
     del sums
 

@@ -412,11 +412,11 @@ def test_stall_watch_lets_calls_of_usual_length_and_first_calls_run():
   import time
   watch, exits, _, _ = _stall_watch(0.3)
   with watch.watching("eval"):
-    time.sleep(0.6)  # A first call, longer than the timeout: no deadline.
-  # Usual: 0.6 s; a call may take twice that before it counts as stalled.
-  assert watch.deadline_seconds("eval") == pytest.approx(1.2, abs=0.2)
+    time.sleep(1.5)  # A first call, longer than the timeout: no deadline.
+  # Usual: 1.5 s; a call may take twice that before it counts as stalled.
+  assert watch.deadline_seconds("eval") == pytest.approx(3.0, abs=0.3)
   with watch.watching("eval"):
-    time.sleep(0.8)  # Past usual + timeout (0.9 s), within twice usual.
+    time.sleep(2.4)  # Past usual + timeout (1.8 s), within twice usual.
   with watch.watching("train"):  # Another key has its own first call.
     time.sleep(0.4)
   time.sleep(1.0)  # Any timer left armed would have fired by now.
@@ -424,41 +424,6 @@ def test_stall_watch_lets_calls_of_usual_length_and_first_calls_run():
   with pytest.raises(ValueError, match="timeout_seconds=0"):
     from tfdist import stall_watch
     stall_watch.StallWatch(timeout_seconds=0, message="x")
-
-
-_SAVED_THEN_SLOW = """
-import os, signal, time
-from tfdist import preemption
-flag = preemption.SigtermFlag(grace_seconds=0.5, task_name="worker:0")
-os.kill(os.getpid(), signal.SIGTERM)
-time.sleep(0.2)
-if {save}:
-  flag.save_for_stop(lambda: None, lambda: 7)
-time.sleep(30)  # The best's export, say, outlasting the grace.
-"""
-
-
-@pytest.mark.parametrize("saved", [True, False])
-def test_watchdog_after_the_stops_save_exits_to_be_resumed(saved):
-  """A SIGTERM agreed in an eval saves its step first; if what follows
-  (the best's export, the callbacks) outlasts the grace, the watchdog
-  exits 42 (resume), not 143 (no checkpoint)."""
-  import subprocess
-  import sys
-  proc = subprocess.run(
-      [sys.executable, "-c", _SAVED_THEN_SLOW.format(save=saved)],
-      capture_output=True, text=True, timeout=60,
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  errors = [l for l in proc.stderr.splitlines() if l.startswith("tfdist:")]
-  if saved:
-    assert proc.returncode == 42, proc.stderr
-    assert errors == ["tfdist: error: preempted (SIGTERM): checkpoint saved "
-                      "at step 7; worker:0 did not finish what follows the "
-                      "save within 0.5s, exiting with code 42 so the "
-                      "launcher resumes."], proc.stderr
-  else:
-    assert proc.returncode == 143, proc.stderr
-    assert "without a new checkpoint" in errors[0], proc.stderr
 
 
 def test_a_collective_failing_outside_a_loop_call_is_a_lost_peer():

@@ -267,9 +267,10 @@ OPTIONS = (
        "written is waited for); keep it below the platform's grace "
        "(Kubernetes: 30 s).", "loop", above=0),
     _o("collective_timeout", 0.0, "Seconds a loop call may run past its "
-       "usual length (or twice that length, if longer) before the task "
-       "takes a peer as stalled, names its peers and exits with code 5; "
-       "TF's own collective timeout, twice this, covers the rest. 0: no "
+       "usual length before the task takes a peer as stalled, names its "
+       "peers and exits with code 5 (a call longer than this may run to "
+       "twice its usual length); TF's own collective timeout, twice this, "
+       "covers first calls and collectives outside loop calls. 0: no "
        "timeout.", "multi_worker", minimum=0),
     _enum("allreduce_dtype", "float32", ("float32", "float16", "bfloat16"),
           "All-reduce gradients in this dtype (compression).",

@@ -62,7 +62,6 @@ class SigtermFlag:
     self._noted = threading.Lock()
     self._disarmed = threading.Event()
     self._handled = 0
-    self._saved_step = None  # Saved for an agreed stop not yet reached.
     self.requested = False
     self._previous_handlers = None
     if threading.current_thread() is not threading.main_thread():
@@ -127,16 +126,6 @@ class SigtermFlag:
     with self._saving:  # A checkpoint being written is worth waiting for.
       if self._disarmed.is_set():
         return
-      if self._saved_step is not None:
-        # The stop's step is saved (what follows it, the best's export or
-        # the callbacks, outlasted the grace): the launcher resumes it.
-        sys.stderr.write(
-            f"tfdist: error: preempted (SIGTERM): checkpoint saved at step "
-            f"{self._saved_step}; {self._task_name} did not finish what "
-            f"follows the save within {self._grace_seconds:g}s, exiting "
-            f"with code {PREEMPTED_EXIT_CODE} so the launcher resumes.\n")
-        sys.stderr.flush()
-        os._exit(PREEMPTED_EXIT_CODE)  # pylint: disable=protected-access
       sys.stderr.write(
           f"tfdist: error: {self._task_name} got SIGTERM and could not "
           f"stop at an agreed step within {self._grace_seconds:g}s (a peer "
@@ -144,14 +133,6 @@ class SigtermFlag:
           f"{UNSAVED_EXIT_CODE}, without a new checkpoint.\n")
       sys.stderr.flush()
       os._exit(UNSAVED_EXIT_CODE)  # pylint: disable=protected-access
-
-  def save_for_stop(self, save_fn, step_fn):
-    """Saves the step an agreed stop stops at, before the work that comes
-    between (the watchdog waits meanwhile; if it fires later, it exits
-    with PREEMPTED_EXIT_CODE)."""
-    with self._saving:
-      save_fn()
-      self._saved_step = step_fn()
 
   def save_and_stop(self, save_fn, step_fn):
     """Saves (the watchdog waits meanwhile) and raises PreemptedError."""
@@ -211,10 +192,6 @@ class SigtermGuard:
   def save_and_exit_if_signalled(self):
     if self._flag.requested:
       self._flag.save_and_stop(self._save_fn, self._step_fn)
-
-  def save_if_signalled(self):
-    if self._flag.requested:
-      self._flag.save_for_stop(self._save_fn, self._step_fn)
 
   def close(self):
     self._flag.close()

@@ -52,11 +52,6 @@ class Runner(Protocol):
     """One exact eval pass of `num_steps` global batches. It never saves:
     the eval may run on other weights (the moving average)."""
 
-  def save_if_signalled(self, sums):
-    """Right after an eval, with the trained weights back: when a SIGTERM
-    was agreed during it, save now, before the best's export and the
-    callbacks (which may outlast the grace); stop_if_signalled stops."""
-
   def stop_if_signalled(self, sums):
     """After an eval, with the trained weights back: save and stop with
     PreemptedError when a SIGTERM was agreed (SyncRunner: `sums.stop`)."""
@@ -84,9 +79,7 @@ COLLECTIVE_FAILURES = (tf.errors.DeadlineExceededError,
 
 def is_collective_failure(error):
   return isinstance(error, COLLECTIVE_FAILURES) and any(
-      word in error.message.lower()
-      for word in ("collective", "recvbuf", "socket closed",
-                   "failed to connect"))
+      word in error.message.lower() for word in ("collective", "recvbuf"))
 
 
 @contextlib.contextmanager
@@ -232,10 +225,6 @@ class SyncRunner:
         self._call(self._eval, iterator, num_steps,
                    watch_key=("eval", num_steps)), num_steps)
 
-  def save_if_signalled(self, sums):
-    if sums.stop and self._sigterm:
-      self._sigterm.save_for_stop(self._save_fn, self._step_fn)
-
   def stop_if_signalled(self, sums):
     self._stop_if_agreed(sums)
 
@@ -361,11 +350,6 @@ class ParameterServerRunner:
     dataset = input_fn(tf.distribute.InputContext())
     vector = self._local_eval(iter(dataset), tf.constant(num_steps, tf.int32))
     return self._loops.wire.unpack_eval(vector.numpy(), num_steps)
-
-  def save_if_signalled(self, sums):
-    del sums  # A SIGTERM that came during the eval.
-    if self._guard:
-      self._guard.save_if_signalled()
 
   def stop_if_signalled(self, sums):
     del sums  # A SIGTERM that came during the eval.

@@ -25,7 +25,9 @@ from tfdist.errors import PEER_LOST_EXIT_CODE
 
 def tf_backstop_seconds(timeout_seconds):
   """TF's collective timeout for a --collective_timeout: later than the
-  watch's deadline of a call of usual length."""
+  watch's deadline for a stall in a call shorter than the timeout. In a
+  longer call (whose deadline is twice its usual length) TF's may act
+  first."""
   return 2 * timeout_seconds if timeout_seconds else None
 
 

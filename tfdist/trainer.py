@@ -277,10 +277,8 @@ class Trainer:
   def _after_eval(self, step, metrics, train_logs):
     """The best and the callbacks take the eval; then a SIGTERM agreed
     during it saves and stops (out of the eval weights, and with this
-    eval counted, as an uninterrupted run counts it). Its step is saved
-    first: the best's export and the callbacks may outlast the grace.
-    Returns whether to stop early."""
-    self._runner.save_if_signalled(self._eval_sums)
+    eval counted, as an uninterrupted run counts it). Returns whether to
+    stop early."""
     early_stop = self._track_best(step, metrics)
     if self._callbacks:
       self._callbacks.eval_end(step, metrics, train_logs)
