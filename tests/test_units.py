@@ -447,3 +447,28 @@ def test_a_collective_failing_outside_a_loop_call_is_a_lost_peer():
   with pytest.raises(tf.errors.UnavailableError):
     with runners.peer_losses_named("local", ()):
       raise lost
+
+
+def test_a_best_checkpoint_removed_before_it_is_kept_is_written(tmp_path):
+  """A sidecar evaluates behind the training run: --keep_checkpoints may
+  remove the checkpoint it evaluated before it is kept as the best. The
+  best then holds the weights the sidecar restored from it, and its index
+  never names files that are not there (a flaky CI failure)."""
+  from tfdist import checkpoints
+  weights = tf.Variable([1.0, 2.0])
+  model_dir = str(tmp_path)
+  store = checkpoints.CheckpointStore(
+      checkpoint=tf.train.Checkpoint(weights=weights), model_dir=model_dir,
+      write_dir=model_dir, keep=1,
+      signature={"model": "m", "num_classes": 1, "variables": {}})
+  evaluated = store.save(10)
+  weights.assign([3.0, 4.0])
+  store.save(20)  # keep=1: the run removes ckpt-10.
+  assert not tf.io.gfile.exists(f"{evaluated}.index")
+  weights.assign([1.0, 2.0])  # What the sidecar restored from ckpt-10.
+  kept = store.keep_best(evaluated, {"step": 10})
+  restored = tf.Variable([0.0, 0.0])
+  reading = tf.train.Checkpoint(weights=restored).read(kept)
+  reading.assert_existing_objects_matched()
+  np.testing.assert_array_equal(restored.numpy(), [1.0, 2.0])
+  assert tf.train.latest_checkpoint(os.path.dirname(kept)) == kept

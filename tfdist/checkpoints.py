@@ -167,9 +167,7 @@ class CheckpointStore:
     best_dir = storage.join(self._model_dir, BEST_DIR)
     tf.io.gfile.makedirs(best_dir)
     prefix = path.rsplit("/", 1)[-1]
-    for source in tf.io.gfile.glob(f"{path}.*"):
-      storage.copy_file(source, storage.join(best_dir,
-                                             source.rsplit("/", 1)[-1]))
+    self._copy_or_write(path, storage.join(best_dir, prefix))
     storage.write_text(storage.join(best_dir, "checkpoint"),
                        f'model_checkpoint_path: "{prefix}"\n'
                        f'all_model_checkpoint_paths: "{prefix}"\n')
@@ -178,6 +176,23 @@ class CheckpointStore:
       if not old.rsplit("/", 1)[-1].startswith(f"{prefix}."):
         tf.io.gfile.remove(old)
     return storage.join(best_dir, prefix)
+
+  def _copy_or_write(self, path, target):
+    """Copies checkpoint `path`'s files to `target`; if the training run's
+    --keep_checkpoints removed them meanwhile (a sidecar evaluates behind
+    the run), writes the state this process restored from it instead."""
+    try:
+      sources = tf.io.gfile.glob(f"{path}.*")
+      if f"{path}.index" not in sources:
+        raise tf.errors.NotFoundError(None, None, f"{path}.index")
+      directory = target.rsplit("/", 1)[0]
+      for source in sources:
+        storage.copy_file(source, storage.join(
+            directory, source.rsplit("/", 1)[-1]))
+    except tf.errors.NotFoundError:
+      logging.info("%s was removed before it could be kept as the best; "
+                   "writing the weights restored from it.", path)
+      self._checkpoint.write(target)
 
   def update_best_state(self, state):
     """Rewrites best.json (the count of evals without improvement)."""
