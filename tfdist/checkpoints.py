@@ -136,7 +136,6 @@ class CheckpointStore:
     except (tf.errors.OpError, OSError) as e:
       if runners.is_collective_failure(e):
         raise  # A peer lost in a sharded save's gather: not the disk.
-
       storage.remove_tree(storage.join(self._write_dir, f"ckpt-{step}_temp"))
       reason = getattr(e, "message", None) or str(e)
       reason = reason.splitlines()[0].rsplit(";", 1)[-1].strip()[:120]
@@ -167,7 +166,7 @@ class CheckpointStore:
     best_dir = storage.join(self._model_dir, BEST_DIR)
     tf.io.gfile.makedirs(best_dir)
     prefix = path.rsplit("/", 1)[-1]
-    self._copy_or_write(path, storage.join(best_dir, prefix))
+    self._copy_or_write(path, best_dir)
     storage.write_text(storage.join(best_dir, "checkpoint"),
                        f'model_checkpoint_path: "{prefix}"\n'
                        f'all_model_checkpoint_paths: "{prefix}"\n')
@@ -177,22 +176,22 @@ class CheckpointStore:
         tf.io.gfile.remove(old)
     return storage.join(best_dir, prefix)
 
-  def _copy_or_write(self, path, target):
-    """Copies checkpoint `path`'s files to `target`; if the training run's
-    --keep_checkpoints removed them meanwhile (a sidecar evaluates behind
-    the run), writes the state this process restored from it instead."""
+  def _copy_or_write(self, path, directory):
+    """Copies checkpoint `path`'s files into `directory`; if the training
+    run's --keep_checkpoints removed them meanwhile (a sidecar evaluates
+    behind the run), writes the state this process restored from it."""
+    prefix = path.rsplit("/", 1)[-1]
     try:
       sources = tf.io.gfile.glob(f"{path}.*")
       if f"{path}.index" not in sources:
         raise tf.errors.NotFoundError(None, None, f"{path}.index")
-      directory = target.rsplit("/", 1)[0]
       for source in sources:
         storage.copy_file(source, storage.join(
             directory, source.rsplit("/", 1)[-1]))
     except tf.errors.NotFoundError:
       logging.info("%s was removed before it could be kept as the best; "
                    "writing the weights restored from it.", path)
-      self._checkpoint.write(target)
+      self._checkpoint.write(storage.join(directory, prefix))
 
   def update_best_state(self, state):
     """Rewrites best.json (the count of evals without improvement)."""
