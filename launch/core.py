@@ -28,6 +28,7 @@ Exit code: 0 when training finished, otherwise the failing task's code
 """
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -201,8 +202,10 @@ class Launcher:
 
   def __init__(self, args, *, make_tasks, out=sys.stdout, spawn=None,
                discover=None, discover_every_seconds=5.0,
-               drop_worker=None):
+               drop_worker=None, spares=None):
     self._args = args
+    # A launch.spare.Spares: warm processes for the tasks of a restart.
+    self._spares = spares
     self._make_tasks = make_tasks
     self._spawn = spawn
     self._out = out
@@ -238,7 +241,11 @@ class Launcher:
     # SIGKILLed task: nothing is left behind.
     with tempfile.TemporaryDirectory(prefix="tfdist-launch-") as scratch:
       self._scratch = scratch
-      return self._run()
+      try:
+        return self._run()
+      finally:
+        if self._spares:
+          self._spares.close()
 
   def _run(self):
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -351,11 +358,17 @@ class Launcher:
     self._job = processes.Job(self._make_tasks(args), out=self._out,
                               grace_seconds=self._args.stop_grace_seconds,
                               log=self._log, scratch_root=self._scratch,
-                              spawn=self._spawn)
+                              spawn=self._spawn, spares=self._spares)
     self._job.start()
     for task in self._job.tasks:
       self._log(f"started {task.name} pid={task.process.pid} at "
-                f"{task.address} (attempt {attempt + 1})")
+                f"{task.address} (attempt {attempt + 1}"
+                f"{', a warm spare' if task.warm else ''})")
+    if self._spares:
+      if attempt == 0:  # After the tasks: their imports go first.
+        self._spares.start({**os.environ, "PYTHONUNBUFFERED": "1"})
+      self._log("warm spares waiting for a restart's tasks: pids "
+                f"{', '.join(map(str, self._spares.pids))}")
     if self._signalled:  # It came while the tasks were made (Ray places).
       self._job.forward(self._signalled)
     try:
@@ -445,4 +458,4 @@ class Launcher:
         continue
       self._job.start_task(task)
       self._log(f"started {task.name} pid={task.process.pid} at "
-                f"{task.address}")
+                f"{task.address}{' (a warm spare)' if task.warm else ''}")

@@ -19,6 +19,7 @@ from . import core
 from . import description
 from . import isolation
 from . import processes
+from . import spare
 
 
 def parse_args(argv):
@@ -33,10 +34,28 @@ def parse_args(argv):
                       help="Run the tasks in a private network namespace, "
                       "so their gRPC ports are reachable from nowhere else "
                       "(needs root). auto: when possible (default).")
+  parser.add_argument("--spares", default="auto",
+                      help="Warm spare processes (TensorFlow and tfdist "
+                      "imported, waiting) that a restart, a preemption "
+                      "resume or a membership change hands its tasks to, "
+                      "saving each task's import. A number, or auto: one "
+                      "per task when the job can restart (--max_restarts "
+                      "> 0 or --workers=MIN:MAX), else none (default).")
   core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
   core.finish_args(parser, args)
+  args.spare_count = _spare_count(parser, args)
   return args
+
+
+def _spare_count(parser, args):
+  if args.spares == "auto":
+    restarts = args.max_restarts > 0 or args.cluster.elastic
+    return sum(args.cluster.counts().values()) if restarts else 0
+  if not args.spares.isdigit():
+    parser.error(f"--spares must be auto or a number >= 0. Received: "
+                 f"{args.spares}")
+  return int(args.spares)
 
 
 def discover_slots(command, log):
@@ -76,10 +95,15 @@ def main(argv=None):
     discover = None
     if args.host_discovery:
       discover = lambda: discover_slots(args.host_discovery, log)  # pylint: disable=unnecessary-lambda-assignment
+    python = [sys.executable] if network is None else network.wrap(
+        [sys.executable])
+    spares = (spare.Spares(prefix=python, count=args.spare_count,
+                           start_process=processes.start_spare)
+              if args.spare_count else None)
     code = core.Launcher(
         args, make_tasks=lambda a: local_tasks(a, network),
-        discover=discover,
-        discover_every_seconds=args.discovery_seconds).run()
+        discover=discover, discover_every_seconds=args.discovery_seconds,
+        spares=spares).run()
   finally:
     if network:
       network.close()

@@ -150,8 +150,9 @@ class Membership:
     old = self.cluster.workers
     self.cluster = dataclasses.replace(self.cluster, workers=workers)
     self._log(f"membership change: {old} -> {workers} workers ({why}); "
-              f"the group restarts from the last checkpoint with a new "
-              f"TF_CONFIG (stopping the old group took {stopped_in:.1f}s).")
+              f"the group restarts with a new TF_CONFIG from the newest "
+              f"of the last checkpoint and the state its survivors kept "
+              f"(stopping the old group took {stopped_in:.1f}s).")
     if len(self._changes) == 1:
       return True
     # Changes in a row back off as restarts do.

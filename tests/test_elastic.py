@@ -50,16 +50,14 @@ def _resumed_with(output, workers):
                         after)[0])
 
 
-def _kill_after_checkpoint(workers, model_dir, data_dir, steps, checkpoint,
-                           victim):
+def _kill_when(workers, model_dir, data_dir, steps, seen, victim):
   """An elastic MWMS job with no restarts; `victim` gets SIGKILL once the
-  chief saved ckpt-`checkpoint`. Returns (exit code, output)."""
+  chief printed `seen`. Returns (exit code, output)."""
   run = LauncherProcess(
       [f"--workers={workers}", "--max_restarts=0", *LAUNCH],
       [*train_args(model_dir, data_dir, steps),
        "--strategy=multi_worker_mirrored"])
-  run.wait_for(lambda l: l.startswith("worker:0") and
-               f"ckpt-{checkpoint}." in l)
+  run.wait_for(lambda l: l.startswith("worker:0") and seen in l)
   os.kill(run.pids[victim], signal.SIGKILL)
   return run.finish()
 
@@ -68,12 +66,15 @@ def _kill_after_checkpoint(workers, model_dir, data_dir, steps, checkpoint,
 def test_shrink_drops_a_lost_worker_and_finishes_exactly(tmp_path,
                                                          data_dir):
   model_dir = tmp_path / "run"
-  code, output = _kill_after_checkpoint("2:3", model_dir, data_dir, 60, 20,
-                                        "worker:2")
+  # Between checkpoints (every 10 steps): the survivors' state is newer.
+  code, output = _kill_when("2:3", model_dir, data_dir, 60,
+                            "train step 25/", "worker:2")
   assert code == 0, output[-3000:]
   assert re.search(r"membership change: 3 -> 2 workers \(worker:2 exited "
                    r"with code -9 with no restarts left\)", output)
-  assert _resumed_with(output, 2) >= 20
+  # No step redone: the new group starts where the old one last logged.
+  assert _resumed_with(output, 2) >= 25
+  assert re.search(r"Resumed from \S+/survivors/worker-[01]/ckpt-", output)
   assert "worker:2 |" not in output.split("-> 2 workers", 1)[1]
   assert "worker:0 | Finished at step 60/60" in output
   assert artifacts.checkpoint_step(str(model_dir)) == 60
@@ -108,8 +109,8 @@ def test_grow_adds_the_worker_discovery_offers(tmp_path, data_dir):
 
 @pytest.mark.serial
 def test_below_min_stops_in_one_line(tmp_path, data_dir):
-  code, output = _kill_after_checkpoint("2:2", tmp_path / "run", data_dir,
-                                        100000, 10, "worker:1")
+  code, output = _kill_when("2:2", tmp_path / "run", data_dir, 100000,
+                            "ckpt-10.", "worker:1")
   assert code != 0
   stops = [l for l in output.splitlines() if "below the minimum" in l]
   assert stops == ["[launch] worker:1 exited with code -9 with no restarts "

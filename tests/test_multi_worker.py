@@ -30,17 +30,37 @@ def test_sigkilled_worker_restarts_job_and_finishes(tmp_path, data_dir):
       ["--workers=2", "--max_restarts=2", "--backoff_seconds=0.2",
        "--stop_grace_seconds=3"],
       _train_args(model_dir, data_dir, "--train_steps=500",
-                  "--checkpoint_every=100"))
-  run.wait_for(lambda l: "ckpt-200." in l and l.startswith("worker:0"))
+                  "--checkpoint_every=1000"))
+  # No checkpoint before the end: what the restart resumes from is the
+  # survivor's state.
+  run.wait_for(lambda l: "train step 200/500" in l and
+               l.startswith("worker:0"))
   os.kill(run.pids["worker:1"], signal.SIGKILL)
   code, output = run.finish()
   assert code == 0, output[-3000:]
   assert "worker:1 exited with code -9; restarting the job" in output
-  resumed = re.findall(r"worker:0 \| .*Resumed from .*ckpt-(\d+) at step",
-                       output)
-  assert resumed and int(resumed[0]) >= 200
+  before, after = output.split("restarting the job", 1)
+  # The survivor kept the state of its last call that ended: the restart
+  # redoes none of the steps logged before it.
+  last = max(int(s) for s in re.findall(r"worker:0 \| .*train step (\d+)/",
+                                        before))
+  resumed = re.findall(r"worker:0 \| .*Resumed from (\S+) at step (\d+)",
+                       after)
+  assert "/survivors/" in resumed[0][0] and int(resumed[0][1]) >= last
+  assert "no step is redone" in after
   assert "Finished at step 500/500" in output
   assert artifacts.checkpoint_step(model_dir) == 500
+  assert not os.path.exists(os.path.join(model_dir, "survivors"))
+  # The restarted tasks were warm spares; no spare outlives the launcher.
+  for task in ("worker:0", "worker:1"):
+    assert re.search(rf"started {task} pid=\d+ at \S+ \(attempt 2, a warm "
+                     r"spare\)", output), output[-3000:]
+  spares = [int(p) for line in re.findall(r"warm spares waiting for a "
+                                          r"restart's tasks: pids (.*)",
+                                          output)
+            for p in line.split(", ")]
+  assert len(spares) == 4, output[-3000:]
+  assert not any(process_alive(pid) for pid in spares)
 
 
 @pytest.mark.serial

@@ -80,6 +80,14 @@ class FakeStore:
     self.saved.append(step)
     return f"ckpt-{step}"
 
+  @staticmethod
+  def is_survivor_state(path):
+    del path
+    return False
+
+  def remove_survivor_states(self):
+    pass
+
 
 class FakeSummaries:
 

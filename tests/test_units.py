@@ -472,3 +472,89 @@ def test_a_best_checkpoint_removed_before_it_is_kept_is_written(tmp_path):
   reading.assert_existing_objects_matched()
   np.testing.assert_array_equal(restored.numpy(), [1.0, 2.0])
   assert tf.train.latest_checkpoint(os.path.dirname(kept)) == kept
+
+
+def _survivor_store(model_dir, weights, step):
+  from tfdist import checkpoints
+  return checkpoints.CheckpointStore(
+      checkpoint=tf.train.Checkpoint(weights=weights, step=step),
+      model_dir=model_dir, write_dir=model_dir, keep=3,
+      signature={"model": "m", "num_classes": 1, "variables": {}})
+
+
+def test_a_survivor_keeps_its_last_ended_call_not_the_live_state(tmp_path):
+  """A loop call a lost peer aborted may have applied part of its
+  updates: the survivor writes the state of the call before, which the
+  next group restores ahead of an older checkpoint."""
+  from tfdist import survivor
+  model_dir = str(tmp_path)
+  weights, step = tf.Variable([1.0, 2.0]), tf.Variable(0, dtype=tf.int64)
+  store = _survivor_store(model_dir, weights, step)
+  state = survivor.SurvivorState(
+      variables=[weights, step], step_variable=step,
+      write=lambda n: store.write_survivor("worker:1", n),
+      task_name="worker:1")
+  assert state.keep() is None  # No call ended yet: the last checkpoint.
+  step.assign(5)
+  store.save(5)
+  weights.assign([3.0, 4.0])
+  step.assign(10)
+  state.commit(10)
+  weights.assign([99.0, 99.0])  # Half of an aborted call's updates.
+  path = state.keep()
+  assert path == f"{model_dir}/survivors/worker-1/ckpt-10"
+  np.testing.assert_array_equal(weights.numpy(), [3.0, 4.0])
+  fresh_weights, fresh_step = tf.Variable([0.0, 0.0]), tf.Variable(
+      0, dtype=tf.int64)
+  fresh = _survivor_store(model_dir, fresh_weights, fresh_step)
+  assert fresh.restore() == path
+  assert fresh.is_survivor_state(path)
+  np.testing.assert_array_equal(fresh_weights.numpy(), [3.0, 4.0])
+  assert int(fresh_step.numpy()) == 10
+  fresh.remove_survivor_states()
+  assert not tf.io.gfile.exists(f"{model_dir}/survivors")
+
+
+def test_a_survivor_state_older_than_the_last_checkpoint_is_ignored(
+    tmp_path):
+  model_dir = str(tmp_path)
+  weights, step = tf.Variable([1.0]), tf.Variable(3, dtype=tf.int64)
+  store = _survivor_store(model_dir, weights, step)
+  store.write_survivor("worker:0", 3)
+  weights.assign([2.0])
+  latest = store.save(8)
+  weights.assign([0.0])
+  assert store.restore() == latest
+  np.testing.assert_array_equal(weights.numpy(), [2.0])
+
+
+def test_spares_hand_a_task_its_order_and_refuse_other_commands():
+  """launch.spare.Spares with `cat` for a spare process: the order it
+  writes comes back as it would reach launch.spare's stdin."""
+  import json
+  import subprocess
+  import sys
+  from launch import spare
+  started = []
+  def start_cat(argv, env):
+    started.append((argv, env))
+    return subprocess.Popen(["cat"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+  spares = spare.Spares(prefix=[sys.executable], count=1,
+                        start_process=start_cat)
+  assert spares.take([sys.executable, "-m", "tfdist.train"], {}) is None
+  spares.start({"SHARED": "1"})
+  assert started == [([sys.executable, "-m", "launch.spare"],
+                      {"SHARED": "1"})]
+  assert spares.take(["/other/python", "-m", "tfdist.train"], {}) is None
+  assert spares.take([sys.executable, "tool.py"], {}) is None
+  process = spares.take([sys.executable, "-m", "tfdist.train", "--x=1"],
+                        {"TF_CONFIG": "{}"})
+  order = json.loads(process.stdout.read())
+  process.wait()
+  assert order == {"module": "tfdist.train", "args": ["--x=1"],
+                   "env": {"TF_CONFIG": "{}"}}
+  assert len(started) == 2  # A new spare waits in its place.
+  spares.close()
+  with pytest.raises(ValueError, match="count must be >= 0. Received: -1"):
+    spare.Spares(prefix=[], count=-1, start_process=start_cat)

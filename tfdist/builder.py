@@ -33,6 +33,7 @@ from tfdist import runners
 from tfdist import sharded_optimizer
 from tfdist import storage
 from tfdist import summaries as summaries_lib
+from tfdist import survivor as survivor_lib
 from tfdist import task as task_lib
 from tfdist import trainer as trainer_lib
 from tfdist import warm_start as warm_start_lib
@@ -432,6 +433,24 @@ def _best_and_callbacks(config, info, parts, store, metric_names, callbacks):
       sync=callbacks_lib.chief_values(info.strategy) if info.peers else None)
 
 
+def _survivor_state(config, info, parts, store):
+  """MultiWorkerMirrored: the state each survivor keeps of a lost peer
+  (tfdist.survivor), where one worker's copy is the whole state."""
+  if not (config.survivor_state and info.peers) or info.coordinator:
+    return None
+  if parts.sharded:
+    logging.info("--survivor_state: with --shard_optimizer no worker holds "
+                 "the whole optimizer state; a lost peer resumes from the "
+                 "last checkpoint.")
+    return None
+  return survivor_lib.SurvivorState(
+      variables=[*parts.model.weights, *parts.optimizer.variables,
+                 parts.global_step],
+      step_variable=parts.global_step,
+      write=functools.partial(store.write_survivor, info.task_name),
+      task_name=info.task_name)
+
+
 def _chief_broadcast(info, parts, tracker):
   """Multi-worker: every worker takes the chief's state after the
   restore (no shared disk)."""
@@ -458,6 +477,7 @@ class _RunParts:
   keeper: object  # An evaluation.BestKeeper, or None.
   callbacks: object  # A callbacks_lib.Callbacks, or None.
   export_fn: object
+  survivor: object  # A survivor_lib.SurvivorState, or None.
 
 
 def _run_parts(config, info, task, *, write_dir, callbacks):
@@ -471,7 +491,9 @@ def _run_parts(config, info, task, *, write_dir, callbacks):
     _log_ps_placement(parts.model)
   tracker, keras_callbacks = _best_and_callbacks(
       config, info, parts, store, loops.metrics.names, callbacks)
-  runner = runners.create(info, loops, train_feed=config.train_feed)
+  survivor = _survivor_state(config, info, parts, store)
+  runner = runners.create(info, loops, train_feed=config.train_feed,
+                          survivor=survivor)
   summaries = summaries_lib.Summaries(
       config.model_dir, enabled=info.is_chief,
       metrics_file=config.metrics_file or None)
@@ -490,7 +512,7 @@ def _run_parts(config, info, task, *, write_dir, callbacks):
       keeper=(evaluation.BestKeeper(tracker=tracker, checkpoints=store,
                                     export_fn=export_fn)
               if tracker else None),
-      callbacks=keras_callbacks, export_fn=export_fn)
+      callbacks=keras_callbacks, export_fn=export_fn, survivor=survivor)
 
 
 def build_evaluator(config, info, task, *, write_dir):
@@ -527,7 +549,7 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
       startup_scalars=_startup_scalars(info, parts),
       chief_broadcast=_chief_broadcast(
           info, parts, run.keeper.tracker if run.keeper else None),
-      callbacks=run.callbacks, best=run.keeper,
+      callbacks=run.callbacks, best=run.keeper, survivor=run.survivor,
       warm_start=(functools.partial(
           warm_start_lib.load, model, config.init_checkpoint,
           skip=config.init_checkpoint_skip)

@@ -17,6 +17,8 @@ SIGNATURE_FILE = "tfdist_model.json"
 RUN_FILE = "tfdist_run.json"
 BEST_DIR = "best_checkpoint"  # --best_metric: the best eval's checkpoint.
 BEST_FILE = "best.json"
+# A survivor's state after a lost peer (tfdist.survivor), one per task.
+SURVIVORS_DIR = "survivors"
 # What reading a truncated or corrupt checkpoint raises.
 UNREADABLE = (tf.errors.OpError, IndexError, OSError, EOFError)
 
@@ -41,6 +43,12 @@ def _describe_mismatch(saved, wanted):
       return (f"variable {name} with shape {saved['variables'].get(name)}, "
               f"not {shape}")
   return "different variables"
+
+
+def _step_of(path):
+  """N of a checkpoint prefix .../ckpt-N (-1 for another name)."""
+  tail = path.rsplit("-", 1)[-1]
+  return int(tail) if tail.isdigit() else -1
 
 
 class CheckpointStore:
@@ -74,7 +82,8 @@ class CheckpointStore:
   def restore(self):
     """Restores the newest usable checkpoint; returns its path or None."""
     self._check_signature()
-    candidates = list(reversed(self._reader.checkpoints))
+    managed = list(reversed(self._reader.checkpoints))
+    candidates = self._newer_survivor_states(managed) + managed
     for path in candidates:
       try:
         self._checkpoint.restore(path).assert_existing_objects_matched()
@@ -92,6 +101,35 @@ class CheckpointStore:
           f"no readable checkpoint in {self._model_dir} (tried "
           f"{len(candidates)}); nothing was changed.")
     return None
+
+  def _newer_survivor_states(self, managed):
+    """Survivor states newer than the newest checkpoint, newest first."""
+    newest = _step_of(managed[0]) if managed else -1
+    found = tf.io.gfile.glob(storage.join(
+        self._model_dir, SURVIVORS_DIR, "*", "ckpt-*.index"))
+    paths = [p[:-len(".index")] for p in found]
+    return sorted((p for p in paths if _step_of(p) > newest),
+                  key=_step_of, reverse=True)
+
+  @staticmethod
+  def is_survivor_state(path):
+    return f"/{SURVIVORS_DIR}/" in (path or "")
+
+  def write_survivor(self, task_name, step):
+    """Writes the state now in the variables as this task's survivor
+    state at `step`, with no collective; returns its path."""
+    directory = storage.join(self._model_dir, SURVIVORS_DIR,
+                             task_name.replace(":", "-"))
+    storage.remove_tree(directory)  # An older state of this task.
+    # Made if need be, so that it restores as a managed checkpoint does.
+    _ = self._checkpoint.save_counter
+    return self._checkpoint.write(storage.join(directory, f"ckpt-{step}"))
+
+  def remove_survivor_states(self):
+    """The chief, once the restored state is a checkpoint: survivors/ is
+    spent (older, or saved)."""
+    if self._write_dir == self._model_dir:
+      storage.remove_tree(storage.join(self._model_dir, SURVIVORS_DIR))
 
   def restore_for_eval(self, path=None):
     """Restores what evaluation needs from `path` (default: the latest

@@ -266,6 +266,12 @@ OPTIONS = (
        "many seconds even if the peers never answer (a checkpoint being "
        "written is waited for); keep it below the platform's grace "
        "(Kubernetes: 30 s).", "loop", above=0),
+    _o("survivor_state", True, "multi_worker_mirrored: after each train "
+       "loop call, copy the replicated state (weights, optimizer, step) "
+       "into this worker's memory; a worker that loses a peer writes it to "
+       "model_dir/survivors/, and the next group resumes there, redoing "
+       "no step. Costs one more copy of that state in memory and a copy "
+       "per loop call. Not with --shard_optimizer.", "multi_worker"),
     _o("collective_timeout", 0.0, "Seconds a loop call may run past its "
        "usual length before the task takes a peer as stalled, names its "
        "peers and exits with code 5 (a call longer than this may run to "

@@ -24,7 +24,7 @@ def _checksum(value):
   return tf.reduce_sum(flat * weights)
 
 
-def _read(variable):
+def read_value(variable):
   # A Keras variable's `value` is a property; a tf.Variable's a method.
   if callable(getattr(variable, "value", None)):
     return variable.read_value()
@@ -45,7 +45,7 @@ class ReplicaChecker:
     self._gather = tf.function(self._gather_checksums)
 
   def _local_checksums(self):
-    return tf.stack([_checksum(_read(v)) for v in self._variables])[None]
+    return tf.stack([_checksum(read_value(v)) for v in self._variables])[None]
 
   def _gather_checksums(self):
     per_replica = self._strategy.run(self._local_checksums)
@@ -90,7 +90,7 @@ class ChiefBroadcast:
   def _from_replica_zero(self):
     context = tf.distribute.get_replica_context()
     is_source = tf.equal(context.replica_id_in_sync_group, 0)
-    values = [_read(v) for v in self._variables]
+    values = [read_value(v) for v in self._variables]
     contributed = [tf.where(is_source, value, tf.zeros_like(value))
                    for value in values]
     # One all-reduce per dtype: packed reductions take one dtype.

@@ -154,8 +154,11 @@ class SyncRunner:
   one_call_at_a_time = True
 
   def __init__(self, strategy, loops, *, preemptible=True, task_name="local",
-               peers=(), plain_feed=True, collective_timeout=0.0):
+               peers=(), plain_feed=True, collective_timeout=0.0,
+               survivor=None):
     self._strategy = strategy
+    # A tfdist.survivor.SurvivorState, committed after each train call.
+    self._survivor = survivor
     self._loops = loops
     self._train = tf.function(self._counted_train_steps)
     self._eval = tf.function(loops.eval_steps)
@@ -213,8 +216,10 @@ class SyncRunner:
         parts.append(self._loops.wire.unpack_train(
             self._call(train, iterator, size,
                        watch_key=("train", compressed, size)), size))
+        step += size
+        if self._survivor:
+          self._survivor.commit(step)
         self._stop_if_agreed(parts[-1])
-      step = until
     return combine(parts)
 
   def evaluate(self, input_fn, num_steps):
@@ -357,8 +362,9 @@ class ParameterServerRunner:
       self._guard.save_and_exit_if_signalled()
 
 
-def create(strategy_info, loops, *, train_feed="auto"):
-  """The runner the strategy table names for `strategy_info.name`."""
+def create(strategy_info, loops, *, train_feed="auto", survivor=None):
+  """The runner the strategy table names for `strategy_info.name`.
+  `survivor`: a synchronous runner commits it after each train call."""
   kind = strategies.kind(strategy_info.name)
   if kind.runner == "parameter_server":
     return ParameterServerRunner(strategy_info.strategy, loops,
@@ -368,4 +374,5 @@ def create(strategy_info, loops, *, train_feed="auto"):
                     task_name=strategy_info.task_name,
                     peers=strategy_info.peers,
                     plain_feed=train_feed == "auto",
-                    collective_timeout=strategy_info.collective_timeout)
+                    collective_timeout=strategy_info.collective_timeout,
+                    survivor=survivor)

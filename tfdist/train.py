@@ -26,6 +26,7 @@ from absl import logging
 from tfdist import cluster
 from tfdist import config as config_lib
 from tfdist import options as options_lib
+from tfdist.errors import PEER_LOST_EXIT_CODE
 from tfdist.errors import TfdistError
 
 FLAGS = flags.FLAGS
@@ -78,6 +79,18 @@ def _fail(message, exit_code=2):
   sys.exit(exit_code)
 
 
+def _lost_peer_exit(message):
+  """A task that lost a peer ends at once: its survivor state is written
+  and its files closed, while TF's teardown of a cluster with a peer gone
+  (its gRPC server, the aborted collectives) took seconds, which the next
+  group waited for."""
+  sys.stderr.write(f"tfdist: error: {message}\n")
+  sys.stdout.flush()
+  sys.stderr.flush()
+  logging.flush()
+  os._exit(PEER_LOST_EXIT_CODE)  # pylint: disable=protected-access
+
+
 def _parse_flags(argv):
   try:
     return FLAGS(argv)
@@ -123,6 +136,8 @@ def main(argv):
     result = api.run(config, tf_config=_cluster(config),
                      show_native_logs=show_native)
   except TfdistError as e:
+    if e.exit_code == PEER_LOST_EXIT_CODE:
+      _lost_peer_exit(str(e))
     _fail(str(e), e.exit_code)
   except KeyboardInterrupt:
     # Ctrl-C: the last checkpoint stays the newest; say so, not a traceback.

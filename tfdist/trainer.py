@@ -6,6 +6,7 @@ the checkpoint store and the summaries. How steps run on each strategy
 lives in the runner; this loop is the same for all of them.
 """
 
+import contextlib
 import dataclasses
 import datetime
 import time
@@ -14,6 +15,7 @@ from typing import Callable, Optional
 from absl import logging
 import numpy as np
 
+from tfdist import survivor as survivor_lib
 from tfdist.errors import NonFiniteLossError
 
 
@@ -94,7 +96,7 @@ class Trainer:
                replica_checker=None, export_fn=None, after_restore=None,
                hparams: Optional[dict] = None, startup_scalars=None,
                chief_broadcast=None, callbacks=None, best=None,
-               warm_start=None):
+               warm_start=None, survivor=None):
     self._options = options
     self.model = model
     self.optimizer = optimizer
@@ -123,6 +125,9 @@ class Trainer:
     # Loads the model's weights from another run when model_dir has no
     # checkpoint (--init_checkpoint); its source, for the log.
     self._warm_start = warm_start
+    # A tfdist.survivor.SurvivorState: written when a peer is lost, so the
+    # next group redoes no step (its runner commits it).
+    self._survivor = survivor
     self._last_checkpoint = None
     self._eval_sums = None
     self._iterator, self._iterator_step = None, None
@@ -146,7 +151,7 @@ class Trainer:
         grace_seconds=options.sigterm_grace_seconds)
     callbacks = self._callbacks
     try:
-      with watched as watch:
+      with watched as watch, self._survivor_kept():
         if callbacks:
           callbacks.train_begin(self.step)
         if self.step < options.train_steps:
@@ -170,6 +175,17 @@ class Trainer:
                      train_metrics=train_metrics,
                      checkpoint=self._last_checkpoint, export_dir=export_dir,
                      seconds=time.perf_counter() - started)
+
+  @contextlib.contextmanager
+  def _survivor_kept(self):
+    """A lost peer: this survivor writes its last committed state, inside
+    the SIGTERM watch (a launcher's SIGTERM only raises its flag)."""
+    try:
+      yield
+    except Exception as e:
+      if self._survivor and survivor_lib.is_peer_loss(e):
+        self._survivor.keep()
+      raise
 
   @property
   def step(self):
@@ -202,6 +218,12 @@ class Trainer:
       self._after_restore()
     self._last_checkpoint = restored
     self._saved_step = self.step if restored else None
+    if self._checkpoints.is_survivor_state(restored):
+      logging.info("That is the state a survivor of the previous group "
+                   "kept when it lost a peer: no step is redone. Saving it "
+                   "as a checkpoint.")
+      self._save(self.step)
+    self._checkpoints.remove_survivor_states()
     return restored
 
   def evaluate(self, step):
