@@ -27,6 +27,7 @@ from tfdist import cluster
 from tfdist import config as config_lib
 from tfdist import options as options_lib
 from tfdist.errors import PEER_LOST_EXIT_CODE
+from tfdist.errors import PREEMPTED_EXIT_CODE
 from tfdist.errors import TfdistError
 
 FLAGS = flags.FLAGS
@@ -79,16 +80,17 @@ def _fail(message, exit_code=2):
   sys.exit(exit_code)
 
 
-def _lost_peer_exit(message):
-  """A task that lost a peer ends at once: its survivor state is written
-  and its files closed, while TF's teardown of a cluster with a peer gone
-  (its gRPC server, the aborted collectives) took seconds, which the next
-  group waited for."""
+def _exit_at_once(message, exit_code):
+  """A task that lost a peer (its survivor state written) or was
+  preempted (its checkpoint written) has nothing left to do, and the
+  launcher's next group waits for it: TF's teardown of a cluster whose
+  peers are gone or going (its gRPC server, aborted collectives) took
+  1-3 s. Its files are closed; the streams are flushed here."""
   sys.stderr.write(f"tfdist: error: {message}\n")
   sys.stdout.flush()
   sys.stderr.flush()
   logging.flush()
-  os._exit(PEER_LOST_EXIT_CODE)  # pylint: disable=protected-access
+  os._exit(exit_code)  # pylint: disable=protected-access
 
 
 def _parse_flags(argv):
@@ -136,8 +138,8 @@ def main(argv):
     result = api.run(config, tf_config=_cluster(config),
                      show_native_logs=show_native)
   except TfdistError as e:
-    if e.exit_code == PEER_LOST_EXIT_CODE:
-      _lost_peer_exit(str(e))
+    if e.exit_code in (PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE):
+      _exit_at_once(str(e), e.exit_code)
     _fail(str(e), e.exit_code)
   except KeyboardInterrupt:
     # Ctrl-C: the last checkpoint stays the newest; say so, not a traceback.

@@ -97,8 +97,9 @@ def one_round(workers, data_dir, model_dir, case):
       if not step:
         continue
       if restarted:  # The new group's first step.
+        # A preempted group may train a step it saves but never logs.
         return (stop, time.monotonic() - hit_at,
-                last_step - (int(step.group(1)) - 1))
+                max(last_step - (int(step.group(1)) - 1), 0))
       last_step = max(last_step, int(step.group(1)))
       if hit_at is None and last_step >= _KILL_AT:
         os.kill(pids[f"worker:{workers - 1}"], signum)
