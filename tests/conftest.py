@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -9,6 +10,14 @@ import pytest
 import tensorflow as tf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A non-interactive shell starts a background job (`bash .ci/run &`) with
+# SIGINT ignored, every process the tests start inherits that, and a
+# launcher leaves an ignored signal alone (as under nohup): the Ctrl-C
+# tests then wait on a job that never stops. The tests need SIGINT as a
+# terminal gives it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+  signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # In-process tests get 4 logical CPUs (tensor-parallel layers need several);
 # this must happen before anything starts the TF runtime.
