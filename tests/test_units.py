@@ -509,6 +509,12 @@ def test_a_survivor_keeps_its_last_ended_call_not_the_live_state(tmp_path):
   fresh = _survivor_store(model_dir, fresh_weights, fresh_step)
   assert fresh.restore() == path
   assert fresh.is_survivor_state(path)
+  # A model_dir that is itself under a "survivors" directory holds
+  # checkpoints that are no survivor's.
+  inside = _survivor_store(f"{model_dir}/survivors/run", fresh_weights,
+                           fresh_step)
+  assert not inside.is_survivor_state(f"{model_dir}/survivors/run/ckpt-5")
+  assert not inside.is_survivor_state(None)
   np.testing.assert_array_equal(fresh_weights.numpy(), [3.0, 4.0])
   assert int(fresh_step.numpy()) == 10
   fresh.remove_survivor_states()

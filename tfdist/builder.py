@@ -492,8 +492,10 @@ def _run_parts(config, info, task, *, write_dir, callbacks):
   tracker, keras_callbacks = _best_and_callbacks(
       config, info, parts, store, loops.metrics.names, callbacks)
   survivor = _survivor_state(config, info, parts, store)
+  # With callbacks, which may change the optimizer's variables (its
+  # learning rate) after a call, the Trainer commits after them instead.
   runner = runners.create(info, loops, train_feed=config.train_feed,
-                          survivor=survivor)
+                          survivor=None if keras_callbacks else survivor)
   summaries = summaries_lib.Summaries(
       config.model_dir, enabled=info.is_chief,
       metrics_file=config.metrics_file or None)

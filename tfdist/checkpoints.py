@@ -111,9 +111,10 @@ class CheckpointStore:
     return sorted((p for p in paths if _step_of(p) > newest),
                   key=_step_of, reverse=True)
 
-  @staticmethod
-  def is_survivor_state(path):
-    return f"/{SURVIVORS_DIR}/" in (path or "")
+  def is_survivor_state(self, path):
+    # By prefix: a model_dir may itself have "survivors" in its path.
+    prefix = storage.join(self._model_dir, SURVIVORS_DIR) + "/"
+    return bool(path) and path.startswith(prefix)
 
   def write_survivor(self, task_name, step):
     """Writes the state now in the variables as this task's survivor

@@ -270,6 +270,7 @@ class Trainer:
       self._iterator_step = step
       if self._callbacks:
         self._callbacks.call_end(step, self._call_logs(sums))
+        self._commit_survivor_state(step)
       if step % options.log_every == 0 or step == until_step:
         metrics = meter.read(time.perf_counter())
         self._log_progress(step, until_step, metrics, first_step,
@@ -304,8 +305,15 @@ class Trainer:
     early_stop = self._track_best(step, metrics)
     if self._callbacks:
       self._callbacks.eval_end(step, metrics, train_logs)
+      self._commit_survivor_state(step)
     self._runner.stop_if_signalled(self._eval_sums)
     return early_stop
+
+  def _commit_survivor_state(self, step):
+    """With callbacks the runner does not commit: the state of `step` is
+    the one the callbacks leave (a learning rate they set is in it)."""
+    if self._survivor:
+      self._survivor.commit(step)
 
   def _track_best(self, step, metrics):
     """After an eval: the best keeps this step's checkpoint (saved now if
