@@ -19,7 +19,6 @@ launcher.
 import json
 import os
 import runpy
-import subprocess
 import sys
 import tempfile
 
@@ -79,6 +78,21 @@ def _split_module_command(argv):
   return argv[:at], argv[at + 1], argv[at + 2:]
 
 
+def _wants_native_logs(args):
+  """TF reads its log level once, at the import a spare has done quietly:
+  a task that asks for TF's native logs starts cold to get them."""
+  for arg in args:
+    if arg in ("--native_logs", "--native_logs=true", "--native_logs=True"):
+      return True
+    if arg.startswith("--verbosity=") or arg.startswith("-v="):
+      try:
+        if int(arg.split("=", 1)[1]) >= 1:
+          return True
+      except ValueError:
+        pass
+  return False
+
+
 class Spares:
   """Keeps `count` spares of the command `prefix + ['-m', 'launch.spare']`
   (prefix: the interpreter, behind `ip netns exec` where the tasks run
@@ -114,7 +128,8 @@ class Spares:
     environment); a new spare starts in its place. None when no spare
     waits, or `argv` runs something else than `prefix -m module`."""
     split = _split_module_command(argv)
-    if split is None or split[0] != self._prefix:
+    if split is None or split[0] != self._prefix or _wants_native_logs(
+        split[2]):
       return None
     while self._waiting:
       process = self._waiting.pop(0)
@@ -139,11 +154,9 @@ class Spares:
       except OSError:
         pass
     for process in self._waiting:
-      try:
-        process.wait(timeout=2)
-      except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+      # It holds no state, and may still be importing: no need to wait.
+      process.kill()
+      process.wait()
     self._waiting = []
 
 
