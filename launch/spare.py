@@ -22,6 +22,8 @@ import runpy
 import sys
 import tempfile
 
+from absl import flags
+
 # What a task imports before its first TF op, in that order (not the
 # task's module itself: runpy runs that as __main__).
 _WARM_MODULES = ("tensorflow", "keras", "tensorflow_datasets", "tfdist.api",
@@ -80,17 +82,17 @@ def _split_module_command(argv):
 
 def _wants_native_logs(args):
   """TF reads its log level once, at the import a spare has done quietly:
-  a task that asks for TF's native logs starts cold to get them."""
-  for arg in args:
-    if arg in ("--native_logs", "--native_logs=true", "--native_logs=True"):
-      return True
-    if arg.startswith("--verbosity=") or arg.startswith("-v="):
-      try:
-        if int(arg.split("=", 1)[1]) >= 1:
-          return True
-      except ValueError:
-        pass
-  return False
+  a task that asks for TF's native logs starts cold to get them. absl
+  parses the two flags, in every form the task itself accepts."""
+  wanted = flags.FlagValues()
+  flags.DEFINE_bool("native_logs", False, "", flag_values=wanted)
+  flags.DEFINE_integer("verbosity", 0, "", short_name="v",
+                       flag_values=wanted)
+  try:
+    wanted(["task", *args], known_only=True)
+  except flags.Error:
+    return False  # The task itself reports its bad flag.
+  return wanted.native_logs or wanted.verbosity >= 1
 
 
 class Spares:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import process_alive
 from tfdist import models
 from tfdist import cluster
 from tfdist import config as config_lib
@@ -555,20 +556,21 @@ def test_spares_hand_a_task_its_order_and_refuse_other_commands():
   assert spares.take(["/other/python", "-m", "tfdist.train"], {}) is None
   assert spares.take([sys.executable, "tool.py"], {}) is None
   # TF's native logs are read at the import the spare did quietly.
-  for asks in ("--native_logs", "--verbosity=1"):
-    assert spares.take([sys.executable, "-m", "tfdist.train", asks],
-                       {}) is None
-  process = spares.take([sys.executable, "-m", "tfdist.train", "--x=1"],
+  for asks in (["--native_logs"], ["--native_logs=1"], ["--verbosity=1"],
+               ["-v", "2"]):
+    assert spares.take([sys.executable, "-m", "tfdist.train", *asks],
+                       {}) is None, asks
+  process = spares.take([sys.executable, "-m", "tfdist.train", "--x=1",
+                         "--nonative_logs", "--verbosity=0"],
                         {"TF_CONFIG": "{}"})
   order = json.loads(process.stdout.read())
   process.wait()
-  assert order == {"module": "tfdist.train", "args": ["--x=1"],
+  assert order == {"module": "tfdist.train",
+                   "args": ["--x=1", "--nonative_logs", "--verbosity=0"],
                    "env": {"TF_CONFIG": "{}"}}
   assert len(started) == 2  # A new spare waits in its place.
   waiting = spares.pids
   spares.close()
-  assert waiting and not any(os.path.exists(f"/proc/{pid}/status") and
-                             "zombie" not in open(f"/proc/{pid}/status").read()
-                             for pid in waiting)
+  assert waiting and not any(process_alive(pid) for pid in waiting)
   with pytest.raises(ValueError, match="count must be >= 0. Received: -1"):
     spare.Spares(prefix=[], count=-1, start_process=start_cat)

@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from tfdist import replica_check
 
+
 def is_peer_loss(error):
   """A lost peer, raised by a loop call or outside one."""
   from tfdist import runners  # pylint: disable=g-import-not-at-top
