@@ -86,12 +86,12 @@ class LauncherProcess:
   """A launcher run whose output is read line by line while it runs."""
 
   def __init__(self, launcher_args, train_args, env=None,
-               module="launch.local", prefix=()):
+               module="launch.local", prefix=(), cwd=ROOT):
     self.lines = []
     self.pids = {}
     self.proc = subprocess.Popen(
         [*prefix, sys.executable, "-m", module, *launcher_args, "--",
-         *train_args], cwd=ROOT, stdout=subprocess.PIPE,
+         *train_args], cwd=cwd, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
         env={**os.environ, **(env or {})})
 

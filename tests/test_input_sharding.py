@@ -100,8 +100,10 @@ def test_file_stream_says_it_never_ends(digits):
 def test_auto_and_bad_requests(digits):
   synthetic = data.load(config_lib.Config(model_dir="unused",
                                           dataset="synthetic"))
-  assert data.resolve_sharding(digits, "auto", 4) == "file"
-  assert data.resolve_sharding(digits, "auto", 5) == "batch"
+  # auto: by file only when the data is streamed (digits is cached).
+  assert data.resolve_sharding(digits, "auto", 4) == "batch"
+  assert data.resolve_sharding(digits, "auto", 4, streamed=True) == "file"
+  assert data.resolve_sharding(digits, "auto", 5, streamed=True) == "batch"
   assert data.resolve_sharding(synthetic, "auto", 2) == "batch"
   with pytest.raises(ConfigError, match=r"has 4 train file\(s\).*"
                      r"Received: input_sharding=file with 5 hosts"):

@@ -131,7 +131,7 @@ BAD = {
                             "returned a list, not a keras.Model"),
     "returns_not_datasets": (["--model=mymod:build",
                               "--dataset=mymod:bad_not_a_model"],
-                             "must return (train, eval)"),
+                             "must return a tfdist.FileData or (train, eval)"),
     "features_do_not_fit": (["--model=mymod:build",
                              "--dataset=mymod:bad_features"],
                             "the dataset's features do not fit the model"),

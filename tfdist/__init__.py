@@ -10,7 +10,7 @@ import importlib
 from tfdist.config import Config
 from tfdist.task import Task
 
-__all__ = ["Config", "Task", "train"]
+__all__ = ["Config", "FileData", "Task", "train"]
 
 
 def __getattr__(name):
@@ -18,4 +18,6 @@ def __getattr__(name):
   # so that `python -m tfdist.train` does not find it already imported.
   if name == "train":
     return importlib.import_module("tfdist.train")
+  if name == "FileData":  # Imports TensorFlow: only when a user asks.
+    return importlib.import_module("tfdist.data").FileData
   raise AttributeError(f"module 'tfdist' has no attribute {name!r}")

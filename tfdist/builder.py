@@ -271,7 +271,8 @@ def _inputs(config, info, task):
   return data.inputs_from_dataset(
       task.data(), global_batch_size=config.batch_size,
       eval_steps_requested=config.eval_steps,
-      sharding=config.input_sharding, num_hosts=info.num_workers)
+      sharding=config.input_sharding, num_hosts=info.num_workers,
+      cache=config.cache, shuffle_buffer=config.shuffle_buffer)
 
 
 def _model_and_optimizer(config, info, task, sample):

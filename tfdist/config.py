@@ -42,6 +42,9 @@ def _validate(config):
     message = option.check(value)
     if message:
       raise ConfigError(message)
+  if not config.cache.strip():
+    raise ConfigError("--cache takes auto, memory, off or a path prefix. "
+                      f"Received: cache={config.cache!r}")
   if config.profile_steps is not None:
     if len(config.profile_steps) != 2 or not (
         config.profile_steps[0] < config.profile_steps[1]):

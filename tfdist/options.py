@@ -154,12 +154,22 @@ OPTIONS = (
        "name, or package.module:function returning (train, eval) datasets.",
        "task"),
     _o("data_dir", "~/tensorflow_datasets", "tfds data_dir.", "task"),
-    _enum("input_sharding", "batch", ("batch", "file", "auto"),
+    _enum("input_sharding", "auto", ("batch", "file", "auto"),
           "How hosts split the training data. batch: every host reads all "
           "of it and keeps 1/N of each global batch (the same batches on any "
-          "host count). file: each host reads only its own TFRecord files, "
-          "1/N of the bytes (tfds data). auto: file when there are at least "
-          "as many files as hosts.", "task"),
+          "host count). file: each host reads only its own files, 1/N of "
+          "the bytes. auto: file for data streamed from files (a "
+          "tfdist.FileData, a large tfds dataset) when there are at least "
+          "as many files as hosts; batch otherwise.", "task"),
+    _o("cache", "auto", "What is cached of data read from files. auto: in "
+       "memory when its files take at most 64 MiB, else streamed. memory, "
+       "off, or a path prefix for cache files (one per host and split). "
+       "Data in memory (arrays) is always cached; augmentation runs after "
+       "the cache.", "task"),
+    _o("shuffle_buffer", 10_000, "Examples shuffled together: a shuffle "
+       "buffer, or for data streamed from files a window of records "
+       "(held serialized, after the file order is shuffled each epoch).",
+       "task", above=0),
     _o("synthetic_shape", (8, 8, 1), "Input shape of --dataset=synthetic.",
        "task", "ints", above=0),
     _o("synthetic_classes", 10, "Classes of --dataset=synthetic.", "task",

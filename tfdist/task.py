@@ -287,15 +287,19 @@ def user_dataset(reference):
   from tfdist import data
   function = import_object(reference, flag="dataset")
   pair = call_user(function, flag="dataset", reference=reference)
+  if isinstance(pair, data.FileData):
+    return data.file_dataset(pair, f"--dataset={reference}")
   if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-    raise ConfigError(f"--dataset={reference} must return (train, eval) "
-                      f"tf.data.Datasets. Received: a {type(pair).__name__}")
+    raise ConfigError(f"--dataset={reference} must return a tfdist.FileData "
+                      "or (train, eval) tf.data.Datasets. Received: a "
+                      f"{type(pair).__name__}")
   return data.from_user(f"--dataset={reference}", *pair)
 
 
 def _with_classification_shape(dataset):
   """A user dataset given to a zoo model: its input shape and classes."""
   import dataclasses
+  from absl import logging
   import tensorflow as tf
   from tfdist import data
   spec = data.features_spec(dataset)
@@ -303,6 +307,13 @@ def _with_classification_shape(dataset):
     raise ConfigError(f"a zoo model needs one fixed-shape feature tensor; "
                       f"{dataset.name} gives {spec}. Use --model=module:fn "
                       "or a Task.")
+  if dataset.num_classes is not None:
+    return dataclasses.replace(dataset, input_shape=tuple(spec.shape))
+  if not dataset.in_memory:
+    logging.warning("a zoo model needs the number of classes: reading every "
+                    "label of %s once to find it. Return "
+                    "tfdist.FileData(..., num_classes=N) to start without "
+                    "this pass.", dataset.name)
   labels = dataset.train_source().map(lambda _, y: tf.cast(y, tf.int64))
   top = int(labels.reduce(tf.constant(0, tf.int64), tf.maximum))
   return dataclasses.replace(dataset, input_shape=tuple(spec.shape),

@@ -1,0 +1,134 @@
+"""tfdist.FileData in real runs, from a module outside the repository
+(tests/user_files.py as mymod): two MultiWorkerMirrored workers reading
+their own files train each example exactly once per epoch across a
+SIGTERM and its resume; default on ram://, mirrored, MultiWorkerMirrored
+and parameter servers train on the same streamed files, the synchronous
+ones to the same weights; bad FileData is one line."""
+
+import collections
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import artifacts
+import user_files
+from conftest import LauncherProcess
+from conftest import ROOT
+from test_cli_errors import _assert_one_line_error
+from test_cli_errors import _tree_digest
+
+USER = ["--model=mymod:build", "--dataset=mymod:data", "--batch_size=32",
+        "--steps_per_loop=1", "--eval_every=0", "--export=false",
+        "--optimizer=sgd", "--learning_rate=0.1"]
+
+
+@pytest.fixture
+def outside(tmp_path):
+  path = tmp_path / "project"
+  path.mkdir()
+  shutil.copy(os.path.join(ROOT, "tests", "user_files.py"),
+              path / "mymod.py")
+  user_files.write(str(tmp_path / "files"))
+  return path
+
+
+def _run(cwd, module, args, env):
+  proc = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=400,
+                        env={**os.environ, **env})
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc.stdout + proc.stderr
+
+
+def _logged_ids(ids_dir):
+  counts = collections.Counter()
+  for path in glob.glob(os.path.join(ids_dir, "ids-*.txt")):
+    with open(path) as lines:
+      for line in lines:
+        counts.update(int(i) for i in line.split())
+  return counts
+
+
+def test_two_workers_train_each_example_once_per_epoch_across_a_sigterm(
+    outside, tmp_path):
+  """8 files of 64: each worker's epoch is its 4 files, 16 steps of 16."""
+  ids_dir = tmp_path / "ids"
+  ids_dir.mkdir()
+  model_dir = str(tmp_path / "run")
+  epochs = 3
+  steps = epochs * user_files.NUM_FILES * user_files.PER_FILE // 32
+  run = LauncherProcess(
+      ["--workers=2", "--max_restarts=0", "--isolate=off"],
+      [*USER, "--strategy=multi_worker_mirrored", f"--train_steps={steps}",
+       "--log_every=2", "--checkpoint_every=1000", "--cache=off",
+       f"--model_dir={model_dir}"],
+      env={"USER_FILES": str(tmp_path / "files"),
+           "USER_IDS_DIR": str(ids_dir), "USER_SLEEP": "0.05"},
+      module="tfdist.launch.local", cwd=outside)
+  run.wait_for(lambda l: f"train step 10/{steps}" in l)
+  os.kill(run.pids["worker:1"], signal.SIGTERM)
+  code, output = run.finish()
+  assert code == 0, output[-3000:]
+  assert "Input sharding: file: each host reads only its own files" in output
+  resumed = int(re.search(r"Resumed from \S+ at step (\d+)", output).group(1))
+  assert 10 <= resumed < steps  # Mid-epoch (an epoch is 16 steps).
+  assert artifacts.checkpoint_step(model_dir) == steps
+  counts = _logged_ids(str(ids_dir))
+  everything = range(user_files.NUM_FILES * user_files.PER_FILE)
+  assert counts == collections.Counter({i: epochs for i in everything})
+
+
+def test_every_strategy_trains_on_the_streamed_files(outside, tmp_path):
+  """Streamed (--cache=off) and read by every host (batch sharding), the
+  synchronous strategies see the single device's batches."""
+  local = {"USER_FILES": str(tmp_path / "files")}
+  common = [*USER, "--train_steps=24", "--log_every=12",
+            "--checkpoint_every=0", "--cache=off", "--input_sharding=batch"]
+  dirs = {name: str(tmp_path / name) for name in
+          ("default", "mirrored", "mwms", "ps")}
+  output = _run(outside, "tfdist.train",
+                [*common, "--strategy=default",
+                 f"--model_dir={dirs['default']}"],
+                {"USER_FILES": "ram://tfdist-user-files"})
+  assert "streamed from its files, not cached" in output
+  _run(outside, "tfdist.train",
+       [*common, "--strategy=mirrored", "--num_cpu_devices=2",
+        f"--model_dir={dirs['mirrored']}"], local)
+  _run(outside, "tfdist.launch.local",
+       ["--workers=2", "--", *common, "--strategy=multi_worker_mirrored",
+        f"--model_dir={dirs['mwms']}"], local)
+  output = _run(outside, "tfdist.launch.local",
+                ["--chief", "--workers=2", "--ps=1", "--", *common,
+                 "--strategy=parameter_server",
+                 f"--model_dir={dirs['ps']}"], local)
+  assert "streamed from its files, not cached" in output
+  for name, model_dir in dirs.items():
+    assert artifacts.checkpoint_step(model_dir) == 24, name
+  expected = artifacts.model_weights(dirs["default"])
+  for name in ("mirrored", "mwms"):
+    artifacts.assert_weights_close(artifacts.model_weights(dirs[name]),
+                                   expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("function,expected", [
+    ("bad_pattern", "no train file matches '/nonexistent/tfdist/train-*'"),
+    ("bad_parse", "parse failed on a train record: InvalidArgumentError")])
+def test_bad_file_data_is_one_line_and_leaves_model_dir(outside, tmp_path,
+                                                        function, expected):
+  model_dir = outside / "kept"
+  model_dir.mkdir()
+  (model_dir / "ckpt-7.index").write_bytes(b"not really a checkpoint")
+  before = _tree_digest(str(model_dir))
+  proc = subprocess.run(
+      [sys.executable, "-m", "tfdist.train", "--model=mymod:build",
+       f"--dataset=mymod:{function}", f"--model_dir={model_dir}"],
+      cwd=outside, capture_output=True, text=True, timeout=300,
+      env={**os.environ, "USER_FILES": str(tmp_path / "files")})
+  _assert_one_line_error(proc, expected)
+  assert _tree_digest(str(model_dir)) == before

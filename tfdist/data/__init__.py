@@ -1,0 +1,33 @@
+"""tfdist's input, split as Model Garden's InputReader is:
+
+  sources   Dataset (examples per split) and a user's own tf.data datasets
+  files     FileData, the file-backed contract: patterns, counts, parse
+  catalog   the built-in datasets: digits, synthetic, tfds names
+  order     the planned order of a split streamed from files, and resume
+  sharding  which host reads what: --input_sharding
+  cache     what is cached: --cache
+  pipeline  the train and eval input functions, and Inputs
+"""
+
+from tfdist.data.catalog import load
+from tfdist.data.files import FileData
+from tfdist.data.files import to_dataset as file_dataset
+from tfdist.data.pipeline import Inputs
+from tfdist.data.pipeline import SHUFFLE_BUFFER
+from tfdist.data.pipeline import SYNTHETIC_EVAL_STEPS
+from tfdist.data.pipeline import eval_input_fn
+from tfdist.data.pipeline import eval_steps
+from tfdist.data.pipeline import inputs_from_dataset
+from tfdist.data.pipeline import inputs_from_task
+from tfdist.data.pipeline import train_input_fn
+from tfdist.data.sharding import resolve_sharding
+from tfdist.data.sources import Dataset
+from tfdist.data.sources import features_spec
+from tfdist.data.sources import from_user
+from tfdist.data.sources import sample_batch
+
+__all__ = ["Dataset", "FileData", "Inputs", "SHUFFLE_BUFFER",
+           "SYNTHETIC_EVAL_STEPS", "eval_input_fn", "eval_steps", "file_dataset",
+           "features_spec", "from_user", "inputs_from_dataset",
+           "inputs_from_task", "load", "resolve_sharding", "sample_batch",
+           "train_input_fn"]

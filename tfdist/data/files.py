@@ -1,0 +1,225 @@
+"""The file-backed input contract: where the files are and how to read one
+record.
+
+    def my_data():  # --dataset=my_module:my_data
+      return tfdist.FileData(train="gs://b/train-*.tfrecord",
+                             eval="gs://b/eval-*.tfrecord",
+                             parse=parse_example, augment=random_flip,
+                             num_classes=1000)
+
+Patterns go through tf.io.gfile (local paths, gs://, ram://). tfdist counts
+each file's records from the TFRecord headers (without reading the
+records themselves), then streams the files: nothing is cached unless it
+fits (--cache), hosts read their own files, and a resume starts where it
+stopped without rereading (tfdist.data.order).
+"""
+
+import concurrent.futures
+import dataclasses
+import os
+import struct
+import time
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+from absl import logging
+import tensorflow as tf
+
+from tfdist.data import sources
+from tfdist.errors import ConfigError
+
+COMPRESSIONS = ("", "GZIP", "ZLIB")
+_HEADER = 12  # uint64 length, uint32 masked CRC of the length.
+_FOOTER = 4  # uint32 masked CRC of the data.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FileData:
+  """TFRecord files for training and eval, and how to read a record.
+
+  train, eval: a glob pattern or a list of patterns (tf.io.gfile).
+  parse: one serialized record -> (features, labels) or (features, labels,
+    sample_weight), with TensorFlow ops (it runs inside tf.data).
+  augment: optional, (features, labels[, sample_weight]) -> the same, for
+    training only; it runs after any cache, so each epoch draws anew.
+  num_classes: the number of classes, for a zoo model (--model=resnet20,
+    say); a model of your own does not need it.
+  compression: "", "GZIP" or "ZLIB", as the files were written.
+  """
+
+  train: Union[str, Sequence[str]]
+  eval: Union[str, Sequence[str]]
+  parse: Callable
+  augment: Optional[Callable] = None
+  num_classes: Optional[int] = None
+  compression: str = ""
+
+  def __post_init__(self):
+    for name in ("train", "eval"):
+      patterns = getattr(self, name)
+      if isinstance(patterns, str):
+        patterns = [patterns]
+      if not (isinstance(patterns, (list, tuple)) and patterns and all(
+          isinstance(p, str) and p for p in patterns)):
+        raise ConfigError(f"FileData {name} takes a file pattern or a list "
+                          f"of them. Received: {name}={patterns!r}")
+    for name in ("parse", "augment"):
+      value = getattr(self, name)
+      if not (callable(value) or (name == "augment" and value is None)):
+        raise ConfigError(f"FileData {name} must be a function. Received: "
+                          f"{name}={value!r}")
+    if self.num_classes is not None and not (
+        isinstance(self.num_classes, int) and self.num_classes > 0):
+      raise ConfigError("FileData num_classes must be a positive integer. "
+                        f"Received: num_classes={self.num_classes!r}")
+    if self.compression not in COMPRESSIONS:
+      raise ConfigError(f"FileData compression must be one of "
+                        f"{COMPRESSIONS}. Received: "
+                        f"compression={self.compression!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FileSplit:
+  """One split's files (sorted, none empty) and their record counts."""
+
+  paths: Tuple[str, ...]
+  counts: Tuple[int, ...]
+  compression: str
+  parse: Callable
+
+  @property
+  def num_examples(self):
+    return sum(self.counts)
+
+  def reader(self, path):
+    return tf.data.TFRecordDataset(path, compression_type=self.compression)
+
+  def records(self):
+    """Every record once, files in order: for eval and caching."""
+    return tf.data.TFRecordDataset(
+        list(self.paths), compression_type=self.compression,
+        num_parallel_reads=min(len(self.paths), 8))
+
+  def examples(self):
+    return self.records().map(self.parse,
+                              num_parallel_calls=tf.data.AUTOTUNE)
+
+
+def _expand(patterns, split, name):
+  if isinstance(patterns, str):
+    patterns = [patterns]
+  paths = set()
+  for pattern in patterns:
+    try:
+      matched = tf.io.gfile.glob(pattern)
+    except tf.errors.OpError as e:
+      raise ConfigError(f"{name}: cannot list {split} files {pattern!r}: "
+                        f"{e.message.splitlines()[0][:160]}") from None
+    if not matched:
+      raise ConfigError(f"{name}: no {split} file matches {pattern!r}.")
+    paths.update(matched)
+  return sorted(paths)
+
+
+def _scan(stream, size):
+  """Records in a TFRecord stream of `size` bytes, reading 12 bytes of
+  each. A length that runs past the end is not a TFRecord file (the
+  headers' CRCs are not checked: that would read them in Python)."""
+  records = position = 0
+  while position < size:
+    header = stream.read(_HEADER)
+    (length,) = struct.unpack("<Q", header.ljust(_HEADER, b"\0")[:8])
+    position += _HEADER + length + _FOOTER
+    if len(header) < _HEADER or position > size:
+      raise ValueError(f"record {records} runs past the end of the file")
+    stream.seek(length + _FOOTER, 1)
+    records += 1
+  return records
+
+
+def count_records(path, compression):
+  """A TFRecord file's records. Local files: from the headers alone
+  (unbuffered, so 12 bytes per record are read). Other filesystems read
+  through a buffer; compressed files are decompressed once."""
+  if compression:
+    return int(tf.data.TFRecordDataset(path, compression_type=compression)
+               .reduce(0, lambda total, _: total + 1))
+  if "://" not in path:
+    with open(path, "rb", buffering=0) as stream:
+      return _scan(stream, os.fstat(stream.fileno()).st_size)
+  with tf.io.gfile.GFile(path, "rb") as stream:
+    return _scan(stream, stream.size())
+
+
+def _counts(paths, compression, name):
+  def one(path):
+    try:
+      return count_records(path, compression)
+    except (OSError, ValueError, tf.errors.OpError) as e:
+      raise ConfigError(f"{name}: cannot read {path} as TFRecords "
+                        f"({type(e).__name__}: {str(e)[:160]})") from None
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    return list(pool.map(one, paths))
+
+
+def _split(file_data, split, name):
+  start = time.perf_counter()
+  paths = _expand(getattr(file_data, split), split, name)
+  counts = _counts(paths, file_data.compression, name)
+  kept = [(p, c) for p, c in zip(paths, counts) if c]
+  if not kept:
+    raise ConfigError(f"{name}: the {split} files hold no records. "
+                      f"Received: {len(paths)} file(s), first {paths[0]}")
+  logging.info("%s %s: %d records in %d file(s)%s, counted in %.2f s.",
+               name, split, sum(counts), len(kept),
+               f" ({len(paths) - len(kept)} empty, skipped)"
+               if len(kept) < len(paths) else "",
+               time.perf_counter() - start)
+  return FileSplit(paths=tuple(p for p, _ in kept),
+                   counts=tuple(c for _, c in kept),
+                   compression=file_data.compression, parse=file_data.parse)
+
+
+def _size(paths):
+  return sum(tf.io.gfile.stat(path).length for path in paths)
+
+
+def to_dataset(file_data: FileData, name) -> sources.Dataset:
+  """The Dataset of a FileData: its splits counted, parse checked on the
+  first record of each."""
+  train = _split(file_data, "train", name)
+  test = _split(file_data, "eval", name)
+  for split, files in (("train", train), ("eval", test)):
+    _check_parse(files, split, name)
+  return sources.Dataset(
+      name=name, num_train_examples=train.num_examples,
+      num_test_examples=test.num_examples,
+      train_source=train.examples, test_source=test.examples,
+      num_classes=file_data.num_classes, num_train_files=len(train.paths),
+      train_files=lambda hosts, host: _host_files(train, hosts, host),
+      file_split=train, augment=file_data.augment,
+      train_bytes=_size(train.paths), in_memory=False)
+
+
+def _check_parse(files, split, name):
+  """Parses the split's first record: a parse that does not fit the
+  records fails here in one line, not at step 0 in a traceback."""
+  try:
+    examples = files.examples()
+    sources.check_element_spec(name, split, examples.element_spec)
+    next(iter(examples.take(1)))
+  except ConfigError:
+    raise
+  except Exception as e:  # The user's parse may raise anything.
+    message = getattr(e, "message", str(e)).strip().splitlines()
+    raise ConfigError(f"{name}: parse failed on a {split} record: "
+                      f"{type(e).__name__}: "
+                      f"{(message or [''])[0][:200]}") from None
+
+
+def _host_files(split, hosts, host):
+  """A host's own files, for the cached path: files host, host + hosts,
+  ... (the streamed path permutes them every epoch)."""
+  paths = split.paths[host::hosts]
+  mine = dataclasses.replace(split, paths=paths,
+                             counts=split.counts[host::hosts])
+  return mine.examples, mine.num_examples

@@ -1,0 +1,151 @@
+"""The order of a split streamed from files, and where a resumed input
+pipeline starts.
+
+Epoch e permutes the files with (seed, e); pipeline h of N reads files h,
+h + N, ... of that permutation. It reads them in rounds of CYCLE files,
+interleaved record by record, and shuffles each window of `window`
+records with (seed, e, window index). Nothing but the seed, the epoch,
+the record counts and N decides the order, so the place after k records
+is arithmetic: whole epochs and whole files are skipped without being
+opened, a file being read skips its first records without parsing them,
+and only the current window is read again. Nothing is saved in the
+checkpoint but the step: the shuffle buffer is not state.
+"""
+
+import tensorflow as tf
+
+CYCLE = 8  # Files read at once by one pipeline.
+_FOREVER = 2**62
+
+
+def file_order(num_files, seed, epoch):
+  """The files' order in `epoch` (a tensor: the same in a graph and
+  eagerly, since the shuffle is stateless)."""
+  return tf.random.experimental.stateless_shuffle(
+      tf.range(num_files, dtype=tf.int64),
+      seed=tf.stack([tf.cast(seed, tf.int64), tf.cast(epoch, tf.int64)]))
+
+
+def host_files(num_files, seed, epoch, hosts, host):
+  """Indices of the files pipeline `host` of `hosts` reads in `epoch`."""
+  return [int(i) for i in file_order(num_files, seed, epoch).numpy()
+          [host::hosts]]
+
+
+def locate(counts, seed, hosts, host, position):
+  """(epoch, records into it) of pipeline `host` after `position`
+  records."""
+  epoch = 0
+  if hosts == 1:  # Every epoch holds every record.
+    return divmod(position, sum(counts))
+  while True:
+    size = sum(counts[i] for i in host_files(len(counts), seed, epoch,
+                                             hosts, host))
+    if position < size:
+      return epoch, position
+    position -= size
+    epoch += 1
+
+
+def resume_round(counts, consumed):
+  """Where a round of files, read record by record in turn, stands after
+  `consumed` records: [(file in the round, records it gave)] for each file
+  not finished, in the order reading goes on."""
+  low, high = 0, max(counts)
+  # k: the number of whole turns taken, the largest with T(k) <= consumed.
+  while low < high:
+    middle = (low + high + 1) // 2
+    if sum(min(c, middle) for c in counts) <= consumed:
+      low = middle
+    else:
+      high = middle - 1
+  turns = low
+  extra = consumed - sum(min(c, turns) for c in counts)
+  longer = [i for i, c in enumerate(counts) if c > turns]
+  start = longer[extra]  # The next record's file: the turn goes on there.
+  given = [min(c, turns) + (1 if i in longer[:extra] else 0)
+           for i, c in enumerate(counts)]
+  rotated = list(range(start, len(counts))) + list(range(start))
+  return [(i, given[i]) for i in rotated if given[i] < counts[i]]
+
+
+def _interleave(paths, skips, reader):
+  """Records of up to CYCLE files, one from each in turn, each file after
+  its first `skips` records."""
+  return tf.data.Dataset.from_tensor_slices((paths, skips)).interleave(
+      lambda path, skip: reader(path).skip(skip), cycle_length=CYCLE,
+      block_length=1, num_parallel_calls=tf.data.AUTOTUNE,
+      deterministic=True)
+
+
+def _rounds(all_paths, indices, reader):
+  """Records of the files `indices` (a tensor), CYCLE at a time."""
+  def one_round(round_indices):
+    paths = tf.gather(all_paths, round_indices)
+    return _interleave(paths, tf.zeros_like(round_indices), reader)
+  return tf.data.Dataset.from_tensor_slices(indices).batch(CYCLE).flat_map(
+      one_round)
+
+
+def _shuffle_windows(records, seed, epoch, window, first_window):
+  def permute(index, batch):
+    order = tf.random.experimental.stateless_shuffle(
+        tf.range(tf.shape(batch)[0]),
+        seed=tf.stack([tf.cast(seed, tf.int64) * 1_000_003 + epoch,
+                       first_window + index]))
+    return tf.gather(batch, order)
+  return records.batch(window).enumerate().map(permute).unbatch()
+
+
+def _seed_tensor(seed):
+  if seed is None:
+    # Traced once and shipped to every worker: a graph-level seed would be
+    # shared; each worker's clock is not.
+    return tf.cast(tf.timestamp() * 1e6, tf.int64)
+  return tf.constant(seed, tf.int64)
+
+
+def records(split, *, seed, hosts, host, position, window):
+  """Serialized records of pipeline `host` of `hosts`, for ever, from
+  record `position` of its stream on. `seed=None`: an order of the
+  pipeline's own, from the start (asynchronous workers)."""
+  all_paths = tf.constant(split.paths)
+  num_files = len(split.paths)
+
+  def epoch_records(epoch):
+    epoch_seed = _seed_tensor(seed)
+    mine = file_order(num_files, epoch_seed, epoch)[host::hosts]
+    return _shuffle_windows(_rounds(all_paths, mine, split.reader),
+                            epoch_seed, epoch, window, 0)
+
+  if seed is None:
+    return tf.data.Dataset.range(_FOREVER).flat_map(epoch_records)
+  epoch, into = locate(split.counts, seed, hosts, host, position)
+  first = _resumed_epoch(split, seed, epoch, hosts, host,
+                         into // window, window)
+  return first.skip(into % window).concatenate(
+      tf.data.Dataset.range(epoch + 1, _FOREVER).flat_map(epoch_records))
+
+
+def _resumed_epoch(split, seed, epoch, hosts, host, first_window, window):
+  """Epoch `epoch` of pipeline `host` from window `first_window` on."""
+  mine = host_files(len(split.paths), seed, epoch, hosts, host)
+  start = first_window * window
+  rounds = [mine[i:i + CYCLE] for i in range(0, len(mine), CYCLE)]
+  done = 0
+  for number, files in enumerate(rounds):
+    size = sum(split.counts[i] for i in files)
+    if start < done + size:
+      break
+    done += size
+  left = resume_round([split.counts[i] for i in files], start - done)
+  current = _interleave(
+      tf.constant([split.paths[files[i]] for i, _ in left]),
+      tf.constant([given for _, given in left], tf.int64), split.reader)
+  later = [i for files in rounds[number + 1:] for i in files]
+  if later:
+    current = current.concatenate(_rounds(
+        tf.constant(split.paths), tf.constant(later, tf.int64),
+        split.reader))
+  return _shuffle_windows(current, tf.constant(seed, tf.int64), epoch,
+                          window, first_window)

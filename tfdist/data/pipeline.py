@@ -1,0 +1,317 @@
+"""The train and eval input functions, and Inputs: what the Trainer and
+the eval pass are handed.
+
+Train batches are the examples batched; eval batches are (features,
+labels, mask) or (features, labels, mask, sample_weight), where the mask
+is 0 on padding examples so that eval counts each real example exactly
+once.
+"""
+
+import dataclasses
+import math
+from typing import Callable, Tuple
+
+from absl import logging
+import tensorflow as tf
+
+from tfdist.data import cache as cache_lib
+from tfdist.data import order
+from tfdist.data import sharding as sharding_lib
+from tfdist.data import sources
+from tfdist.errors import ConfigError
+
+SHUFFLE_BUFFER = 10_000
+SYNTHETIC_EVAL_STEPS = 10
+_FOREVER = 2**62
+
+
+def _unit_mask(features, labels, *sample_weight):
+  size = tf.shape(tf.nest.flatten(labels)[0])[0]
+  return (features, labels, tf.ones([size], tf.float32), *sample_weight)
+
+
+def _epoch_seed(seed, epoch):
+  if seed is None:
+    # The function is traced once and shipped to every worker, so any
+    # graph-level seed is shared; the clock on each worker is not.
+    return tf.cast(tf.timestamp() * 1e6, tf.int64) + epoch
+  return seed * 1_000_003 + epoch
+
+
+def _in_one_tensor(dataset, num_examples):
+  """Whether one epoch fits one batch: few examples (the shuffle buffer
+  held them all anyway), each a dense tensor of fixed shape."""
+  specs = tf.nest.flatten(dataset.element_spec)
+  return num_examples <= SHUFFLE_BUFFER and all(
+      isinstance(spec, tf.TensorSpec) and spec.shape.is_fully_defined()
+      for spec in specs)
+
+
+def _augmented(examples, augment):
+  if augment is None:
+    return examples
+  return examples.map(augment, num_parallel_calls=tf.data.AUTOTUNE,
+                      deterministic=True)
+
+
+def _batches(source, num_examples, seed, start_example, batch_size,
+             augment=None, buffer=SHUFFLE_BUFFER):
+  """Batches of `batch_size` examples, epoch after epoch, each epoch
+  shuffled with its own seed, from example `start_example` on (a batch
+  may span two epochs).
+
+  Jumping to an epoch is free, so resuming costs at most one epoch of
+  skipping however long the run already was. A small epoch is kept as one
+  cached tensor and permuted whole (one gather per epoch): shuffling it
+  example by example cost 0.98 ms of CPU per batch of 256 digits inside a
+  tf.function loop, 12% of a 2-core host at the MLP's step rate
+  (docs/benchmarks.md, "The CLI a user runs").
+  """
+  first_epoch, offset = divmod(start_example, num_examples)
+  base = source()
+  epochs = tf.data.Dataset.range(first_epoch, _FOREVER)
+  if augment is None and _in_one_tensor(base, num_examples):
+    whole = base.batch(num_examples, drop_remainder=True).cache().repeat()
+
+    def permuted(epoch, examples):
+      seed_pair = tf.stack([_epoch_seed(seed, epoch), tf.constant(
+          0, tf.int64)])
+      order_ = tf.random.experimental.stateless_shuffle(
+          tf.range(num_examples), seed=seed_pair)
+      start = tf.where(epoch == first_epoch, offset, 0)
+      return tf.nest.map_structure(
+          lambda t: tf.gather(t, order_[start:]), examples)
+
+    return tf.data.Dataset.zip(epochs, whole).map(permuted).rebatch(
+        batch_size, drop_remainder=True)
+
+  buffer = min(num_examples, buffer)
+
+  def one_epoch(epoch):
+    return base.shuffle(buffer, seed=_epoch_seed(seed, epoch))
+
+  return _augmented(epochs.flat_map(one_epoch).skip(offset), augment).batch(
+      batch_size, drop_remainder=True)
+
+
+def _stream_batches(dataset, seed, start_example, batch_size, buffer):
+  """A user's pipeline over files of unknown size: epochs end when its
+  files do, so a resume reads its way to `start_example`."""
+  if start_example:
+    logging.warning("%s: resuming reads %d examples again to get back to "
+                    "where training stopped (tfdist.FileData resumes "
+                    "without rereading).", dataset.name, start_example)
+
+  def one_epoch(epoch):
+    return dataset.train_source().shuffle(buffer,
+                                          seed=_epoch_seed(seed, epoch))
+  examples = tf.data.Dataset.range(_FOREVER).flat_map(one_epoch)
+  return _augmented(examples.skip(start_example), dataset.augment).batch(
+      batch_size, drop_remainder=True)
+
+
+def _planned_batches(dataset, seed, hosts, host, start_example, batch_size,
+                     buffer):
+  """A split streamed from its files in tfdist.data.order's plan."""
+  split = dataset.file_split
+  records = order.records(split, seed=seed, hosts=hosts, host=host,
+                          position=start_example, window=buffer)
+  examples = records.map(split.parse, num_parallel_calls=tf.data.AUTOTUNE,
+                         deterministic=True)
+  return _augmented(examples, dataset.augment).batch(batch_size,
+                                                     drop_remainder=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Policy:
+  """How a run reads its train split: the cache mode and whether the
+  split is streamed in a planned order."""
+
+  cache: str
+  planned: bool
+
+  @classmethod
+  def of(cls, dataset, cache):
+    if dataset.in_memory:
+      return cls("memory", False)
+    mode = cache_lib.resolve(cache, dataset)
+    if dataset.num_train_examples is None:
+      mode = "off"  # Unknown size: cannot be cached whole before use.
+    return cls(mode, mode == "off" and dataset.file_split is not None)
+
+  def source(self, dataset, source, name):
+    if dataset.in_memory:
+      return source
+    return cache_lib.cached(source, self.cache, name)
+
+
+def train_input_fn(dataset: sources.Dataset, *, global_batch_size, seed,
+                   start_step=0, sharding="batch", cache="auto",
+                   shuffle_buffer=SHUFFLE_BUFFER):
+  """Returns an input_fn for `distribute_datasets_from_function`.
+
+  `batch`: every host reads the whole stream and keeps its slice of each
+  global batch, so global batch k is the same on any number of hosts.
+  `file`: each host reads only its own files (1/N of the bytes), in its own
+  shuffled epochs; a global batch depends on the host count.
+  Either way, resuming at `start_step` skips the batches already trained
+  on, so no example repeats within an epoch. `seed=None` gives each input
+  pipeline its own order (asynchronous PS workers).
+  """
+  policy = _Policy.of(dataset, cache)
+
+  def input_fn(context):
+    hosts, host = context.num_input_pipelines, context.input_pipeline_id
+    per_host = global_batch_size // hosts
+    mode = sharding_lib.resolve_sharding(dataset, sharding, hosts,
+                                         streamed=policy.planned)
+    if mode == "file":
+      per_replica = context.get_per_replica_batch_size(global_batch_size)
+      batches = _file_batches(dataset, policy, seed, hosts, host,
+                              start_step * per_host, per_host,
+                              shuffle_buffer)
+      batches = batches.rebatch(per_replica).prefetch(tf.data.AUTOTUNE)
+    else:
+      batches = sharding_lib.host_slice(_all_batches(
+          dataset, policy, seed, start_step * global_batch_size, per_host,
+          shuffle_buffer), context, per_host, None)
+    # Epochs go on for ever; saying so lets a multi-worker iterator skip
+    # its per-step "any data left?" all-reduce, and lets runners.SyncRunner
+    # use a plain iterator.
+    return batches.apply(tf.data.experimental.assert_cardinality(
+        tf.data.INFINITE_CARDINALITY))
+  return input_fn
+
+
+def _file_batches(dataset, policy, seed, hosts, host, start, per_host,
+                  buffer):
+  """This host's batches from its own files only."""
+  if policy.planned:
+    return _planned_batches(dataset, seed, hosts, host, start, per_host,
+                            buffer)
+  source, num_examples = dataset.train_files(hosts, host)
+  return _batches(policy.source(dataset, source, f"train-{host}-of-{hosts}"),
+                  num_examples, seed, start, per_host, dataset.augment,
+                  buffer)
+
+
+def _all_batches(dataset, policy, seed, start, per_host, buffer):
+  """Per-host batches of the whole stream, which every host reads."""
+  if policy.planned:
+    return _planned_batches(dataset, seed, 1, 0, start, per_host, buffer)
+  if dataset.num_train_examples is None:
+    return _stream_batches(dataset, seed, start, per_host, buffer)
+  return _batches(policy.source(dataset, dataset.train_source, "train"),
+                  dataset.num_train_examples, seed, start, per_host,
+                  dataset.augment, buffer)
+
+
+def eval_steps(dataset: sources.Dataset, *, global_batch_size, requested=0):
+  """Number of eval batches: one full pass unless `requested` caps it."""
+  if dataset.num_test_examples is None:
+    return requested or SYNTHETIC_EVAL_STEPS
+  full = math.ceil(dataset.num_test_examples / global_batch_size)
+  return min(requested, full) if requested else full
+
+
+def eval_input_fn(dataset: sources.Dataset, *, global_batch_size,
+                  cache="auto"):
+  """Pads the test split with masked (mask 0) examples to whole global
+  batches. A split read from files is streamed unless --cache says
+  otherwise: every host reads it whole, in file order."""
+  num_real = dataset.num_test_examples
+  policy = _Policy.of(dataset, cache)
+
+  def real_mask(indices, batch):
+    features, labels, *sample_weight = batch
+    return (features, labels, tf.cast(indices < num_real, tf.float32),
+            *sample_weight)
+
+  def input_fn(context):
+    per_host = global_batch_size // context.num_input_pipelines
+    source = policy.source(
+        dataset, dataset.test_source,
+        f"eval-{context.input_pipeline_id}")()
+    if num_real is None:
+      return sharding_lib.host_slice(
+          source.repeat().batch(per_host, drop_remainder=True), context,
+          per_host, _unit_mask)
+    # Padding repeats real examples (any structure fits), masked.
+    padding = (-num_real) % global_batch_size
+    blank = source.repeat().take(padding)
+    return sharding_lib.host_slice(source.concatenate(blank).enumerate().batch(
+        per_host, drop_remainder=True), context, per_host, real_mask)
+  return input_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+  """Where a run's batches come from: input functions for
+  `distribute_datasets_from_function`, made per start step."""
+
+  name: str
+  train_fn: Callable  # (start_step, seed or None) -> input_fn
+  eval_fn: Callable  # () -> input_fn
+  eval_steps: int
+  sample: Tuple  # A few (features, labels) examples, batched.
+  features_spec: object  # One example's features (no batch dimension).
+  image_input: bool = False  # The export names a single input "images".
+
+
+def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
+                        eval_steps_requested=0, sharding="batch",
+                        num_hosts=1, cache="auto",
+                        shuffle_buffer=SHUFFLE_BUFFER) -> Inputs:
+  """tfdist's own pipeline over unbatched examples."""
+  policy = _Policy.of(dataset, cache)
+  mode = sharding_lib.resolve_sharding(dataset, sharding, num_hosts,
+                                       streamed=policy.planned)
+  if not dataset.in_memory:
+    logging.info("Input: %s is %s.", dataset.name,
+                 cache_lib.describe(policy.cache, dataset))
+  if num_hosts > 1:
+    logging.info("Input sharding: %s: %s.", mode, sharding_lib.describe(
+        dataset, mode, sharding, num_hosts, policy.planned))
+  return Inputs(
+      name=dataset.name,
+      train_fn=lambda start_step, seed: train_input_fn(
+          dataset, global_batch_size=global_batch_size, seed=seed,
+          start_step=start_step, sharding=mode, cache=cache,
+          shuffle_buffer=shuffle_buffer),
+      eval_fn=lambda: eval_input_fn(dataset,
+                                    global_batch_size=global_batch_size,
+                                    cache=cache),
+      eval_steps=eval_steps(dataset, global_batch_size=global_batch_size,
+                            requested=eval_steps_requested),
+      sample=sources.sample_batch(dataset),
+      features_spec=sources.features_spec(dataset),
+      image_input=dataset.input_shape is not None)
+def inputs_from_task(task, *, global_batch_size,
+                     eval_steps_requested) -> Inputs:
+  """A task's own per-replica pipelines (full control)."""
+  if not callable(getattr(task, "eval_input", None)):
+    raise ConfigError(f"{task.display_name} defines train_input; it must "
+                      "define eval_input(context) too.")
+  if not eval_steps_requested:
+    raise ConfigError(f"{task.display_name} makes its own input, so tfdist "
+                      "cannot count its eval batches: set --eval_steps.")
+  probe = task.train_input(
+      tf.distribute.InputContext(), global_batch_size=global_batch_size,
+      seed=0, start_step=0)
+  first = next(iter(probe.take(1)), None)
+  if first is None:
+    raise ConfigError(f"{task.display_name}.train_input gave no batch: is "
+                      "its source empty?")
+  features, labels = first[0], first[1]
+  unbatched = tf.nest.map_structure(
+      lambda t: tf.TensorSpec(t.shape[1:], t.dtype), features)
+  return Inputs(
+      name=f"{task.display_name}.train_input",
+      train_fn=lambda start_step, seed: (
+          lambda context: task.train_input(
+              context, global_batch_size=global_batch_size, seed=seed,
+              start_step=start_step)),
+      eval_fn=lambda: (lambda context: task.eval_input(
+          context, global_batch_size=global_batch_size)),
+      eval_steps=eval_steps_requested,
+      sample=(features, labels), features_spec=unbatched)

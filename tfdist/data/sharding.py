@@ -1,0 +1,63 @@
+"""Which host reads what: `batch` (every host reads the whole stream and
+keeps its slice of each global batch) or `file` (each host reads only its
+own files)."""
+
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+
+
+def resolve_sharding(dataset, sharding, num_hosts, *, streamed=False):
+  """`batch` or `file` for --input_sharding=`sharding` on `num_hosts`.
+
+  auto: `file` for data streamed from files when every host can have a
+  file of its own; `batch` otherwise, which keeps global batch k the same
+  on any number of hosts (cached data costs nothing to read again).
+  """
+  if sharding == "auto":
+    return "file" if streamed and num_hosts > 1 and (
+        dataset.num_train_files >= num_hosts) else "batch"
+  if sharding == "file" and dataset.num_train_files < num_hosts:
+    raise ConfigError(
+        f"--input_sharding=file gives each of the {num_hosts} hosts its own "
+        f"files, but {dataset.name} has {dataset.num_train_files} train "
+        "file(s). Use --input_sharding=batch (or auto). Received: "
+        f"input_sharding=file with {num_hosts} hosts")
+  return sharding
+
+
+def describe(dataset, mode, sharding, num_hosts, streamed):
+  """The log line's reason for the sharding a run uses."""
+  files = dataset.num_train_files
+  if mode == "file":
+    return (f"each host reads only its own files, about 1/{num_hosts} of "
+            f"{files}")
+  why = ""
+  if sharding == "auto":
+    if not streamed:
+      why = " (the data is in memory or cached)"
+    elif files < num_hosts:
+      why = (f" ({files} train file(s) for {num_hosts} hosts: too few for "
+             "one each)")
+  return (f"every host reads all {files or 'the'} train file(s) and keeps "
+          f"its slice of each global batch{why}")
+
+
+def host_slice(batches, context, per_host, finish_batch):
+  """Cuts a stream of per-host batches into this host's per-replica
+  batches.
+
+  Global batch k is the same examples whatever the number of hosts and
+  replicas: host i takes per-host batch k * num_hosts + i.
+  """
+  hosts = context.num_input_pipelines
+  if hosts > 1:
+    batches = batches.shard(hosts, context.input_pipeline_id)
+  if context.num_replicas_in_sync > hosts:
+    batches = batches.rebatch(context.get_per_replica_batch_size(
+        per_host * hosts))
+  if finish_batch is not None:
+    # Per-batch, not per-example, maps: a per-example map costs ~20x here.
+    batches = batches.map(finish_batch, num_parallel_calls=tf.data.AUTOTUNE,
+                          deterministic=True)
+  return batches.prefetch(tf.data.AUTOTUNE)

@@ -1,0 +1,200 @@
+"""Dataset: unbatched examples per split, and a user's own tf.data
+datasets turned into one.
+
+A Dataset holds unbatched (features, labels) or (features, labels,
+sample_weight) examples per split, where features is a tensor or a dict of
+tensors. Where it comes from decides what tfdist can do with it: a source
+in memory is counted and cached; a split read from files (`file_split`,
+see tfdist.data.files) is streamed in a planned order; a user's own
+tf.data pipeline over files is streamed as it is.
+"""
+
+import dataclasses
+from typing import Callable, Optional, Tuple
+
+from absl import logging
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  """Unbatched (features, labels) examples: a source per split.
+
+  `input_shape` and `num_classes` are set for the built-in image
+  classification data, or by the user; otherwise None.
+  """
+
+  name: str
+  num_train_examples: Optional[int]  # None: not known before reading.
+  num_test_examples: Optional[int]  # None: infinite (synthetic).
+  train_source: Callable[[], tf.data.Dataset]
+  test_source: Callable[[], tf.data.Dataset]
+  input_shape: Optional[Tuple[int, ...]] = None
+  num_classes: Optional[int] = None
+  # (num_hosts, host_id) -> (source, num_examples) of that host's own
+  # files, read once and cached (--input_sharding=file). None: no files.
+  train_files: Optional[Callable[[int, int], Tuple[Callable, int]]] = None
+  num_train_files: int = 0
+  # The train split's files, record counts and parse: streamed in a
+  # planned order (tfdist.data.order) unless it is cached.
+  file_split: Optional[object] = None
+  # (features, labels[, sample_weight]) -> the same: train only, after any
+  # cache, so that each epoch draws its own random augmentation.
+  augment: Optional[Callable] = None
+  # Bytes of the train split on disk, when known: what --cache=auto weighs.
+  train_bytes: Optional[int] = None
+  # The source holds its data in this process (arrays): caching is free.
+  in_memory: bool = True
+
+
+_FILE_READERS = frozenset((
+    "TFRecordDataset", "TFRecordDatasetV2", "TextLineDataset",
+    "TextLineDatasetV2", "FixedLengthRecordDataset",
+    "FixedLengthRecordDatasetV2", "ArrayRecordDataset"))
+
+
+def _graph_def(dataset, policy):
+  return tf.raw_ops.DatasetToGraphV2(
+      input_dataset=dataset._variant_tensor,  # pylint: disable=protected-access
+      external_state_policy=policy, strip_device_assignment=True)
+
+
+def reads_files(dataset):
+  """Whether a tf.data pipeline reads files (TF's auto-shard rewrite looks
+  for the same reader ops): such a pipeline is streamed, not cached."""
+  try:
+    graph = tf.compat.v1.GraphDef.FromString(
+        _graph_def(dataset, _WARN).numpy())
+  except (tf.errors.OpError, ValueError):
+    return False  # Not serializable (a generator, say): not from files.
+  ops = {node.op for node in graph.node}
+  for function in graph.library.function:
+    ops.update(node.op for node in function.node_def)
+  return bool(ops & _FILE_READERS)
+
+
+def count(dataset):
+  """Examples in `dataset`: its cardinality, or one pass when TF does not
+  know it (only for data in memory). None: infinite."""
+  size = int(dataset.cardinality())
+  if size >= 0:
+    return size
+  if size == int(tf.data.INFINITE_CARDINALITY):
+    return None
+  return int(dataset.reduce(0, lambda total, _: total + 1))
+
+
+def _check_examples(name, split, dataset):
+  if not isinstance(dataset, tf.data.Dataset):
+    raise ConfigError(f"{name} must return (train, eval) tf.data.Datasets; "
+                      f"its {split} part is a {type(dataset).__name__}.")
+  check_element_spec(name, split, dataset.element_spec)
+
+
+def check_element_spec(name, split, spec):
+  if not (isinstance(spec, tuple) and len(spec) in (2, 3)):
+    raise ConfigError(f"{name}: each {split} example must be (features, "
+                      f"labels) or (features, labels, sample_weight). "
+                      f"Received: element_spec={spec}")
+  if len(spec) == 3 and not (
+      isinstance(spec[2], tf.TensorSpec) and spec[2].dtype.is_floating
+      and spec[2].shape.rank == 0):
+    raise ConfigError(f"{name}: a {split} example's sample_weight must be "
+                      f"one float (a scalar). Received: {spec[2]}")
+
+
+def from_user(name, train, test):
+  """A Dataset from two unbatched tf.data.Datasets of (features, labels)
+  or (features, labels, sample_weight).
+
+  In memory (arrays, from_tensor_slices): counted and cached. Read from
+  files: streamed, never cached and never read ahead of training, since
+  the files may not fit in memory; tfdist.FileData does more with files
+  (sharding by file, a resume that rereads nothing).
+  """
+  for split, dataset in (("train", train), ("eval", test)):
+    _check_examples(name, split, dataset)
+  streamed, test_streamed = reads_files(train), reads_files(test)
+  if streamed:
+    logging.info(
+        "%s reads files: streamed, not cached. Every host reads all of it "
+        "and a resume reads up to its position again; return a "
+        "tfdist.FileData for sharding by file and a resume that rereads "
+        "nothing.", name)
+  num_train = int(train.cardinality()) if streamed else count(train)
+  if num_train < 0:
+    num_train = None  # Unknown: epochs end when the files do.
+  if num_train is not None and num_train <= 0 or (
+      num_train is None and not streamed):
+    raise ConfigError(f"{name}: the train split must be finite and not "
+                      f"empty. Received: {num_train} examples")
+  return Dataset(name=name, num_train_examples=num_train,
+                 num_test_examples=_count_streamed(name, test)
+                 if test_streamed else count(test),
+                 train_source=portable_source(train, f"{name} (train)",
+                                              cache=not streamed),
+                 test_source=portable_source(test, f"{name} (eval)",
+                                             cache=not test_streamed),
+                 in_memory=not streamed)
+
+
+def _count_streamed(name, test):
+  """An eval split read from files, counted once without keeping it: exact
+  eval pads to whole batches and must know where the real examples end."""
+  size = int(test.cardinality())
+  if size >= 0:
+    return size
+  logging.info("%s (eval) reads files of unknown size: counting its "
+               "examples once (tfdist.FileData counts records instead).",
+               name)
+  return int(test.reduce(0, lambda total, _: total + 1))
+
+
+_WARN, _FAIL = 0, 2  # DatasetToGraphV2's external_state_policy values.
+
+
+def portable_source(dataset, name, cache=True):
+  """A source of `dataset` that any task of the cluster can call.
+
+  A dataset made in this process (numpy arrays, say) is a handle to state
+  in this process only. Called eagerly, the source returns it (cached if
+  `cache`). Called while a function is traced (a parameter-server worker's
+  dataset function, which is shipped to other processes), it returns the
+  dataset rebuilt from its serialized graph, which carries the arrays with
+  it.
+  """
+  local = dataset.cache() if cache else dataset
+  graph = []
+
+  def serialized():
+    if not graph:
+      with tf.init_scope():  # Serialize eagerly, once, in this process.
+        try:
+          graph.append(_graph_def(dataset, _FAIL))
+        except tf.errors.FailedPreconditionError as e:
+          logging.warning(
+              "%s holds state of this process (%s); other tasks get a "
+              "fresh copy of it.", name, str(e).splitlines()[0][:160])
+          graph.append(_graph_def(dataset, _WARN))
+    return graph[0]
+
+  def source():
+    if tf.executing_eagerly():
+      return local
+    rebuilt = tf.data.experimental.from_variant(
+        tf.raw_ops.DatasetFromGraph(graph_def=serialized()),
+        dataset.element_spec)
+    return rebuilt.cache() if cache else rebuilt
+  return source
+
+
+def features_spec(dataset: Dataset):
+  return dataset.train_source().element_spec[0]
+
+
+def sample_batch(dataset: Dataset, size=2):
+  """A few (features, labels), batched: to check a model against the
+  data."""
+  return tuple(next(iter(dataset.train_source().batch(size).take(1)))[:2])
