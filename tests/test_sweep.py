@@ -95,9 +95,12 @@ def test_sweep_stops_weak_trials_and_resumes(netns, tmp_path, data_dir):
       # ASHA stopped it after an eval. Its SIGTERM saves the step the run
       # had reached by then, which can be past the reported eval (seen:
       # 300 after 200), or it may have no checkpoint; never the end,
-      # unless the run finished before the SIGTERM came (seen once in CI).
+      # unless the loop reached the last step before the SIGTERM came
+      # (seen in CI: during the final eval, before "Finished").
       with open(os.path.join(model_dir, "trial.log")) as f:
-        ended = f"Finished at step {TRAIN_STEPS}/{TRAIN_STEPS}" in f.read()
+        ended = re.search(rf"train step {TRAIN_STEPS}/{TRAIN_STEPS}:|"
+                          rf"checkpoint saved at step {TRAIN_STEPS}\b",
+                          f.read())
       if ended:
         assert artifacts.checkpoint_step(model_dir) == TRAIN_STEPS
       elif tf.train.latest_checkpoint(model_dir):
