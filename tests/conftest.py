@@ -33,6 +33,15 @@ def long_test(why):
     pytest.skip(f"long test ({why}): set TFDIST_LONG_TESTS=1")
 
 
+def user_project(tmp_path, module, name):
+  """A directory outside the repository holding only the user's module:
+  tests/`module` copied as `name`, so a run imports it from its cwd."""
+  path = tmp_path / "project"
+  path.mkdir()
+  shutil.copy(os.path.join(ROOT, "tests", module), path / name)
+  return path
+
+
 def run_cli(*args, timeout=300, env=None, check=True):
   """Runs `python -m tfdist.train ARGS`; returns the CompletedProcess."""
   proc = subprocess.run(

@@ -9,7 +9,6 @@ import collections
 import glob
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 import artifacts
 import user_files
 from conftest import LauncherProcess
-from conftest import ROOT
+from conftest import user_project
 from test_cli_errors import _assert_one_line_error
 from test_cli_errors import _tree_digest
 
@@ -30,12 +29,8 @@ USER = ["--model=mymod:build", "--dataset=mymod:data", "--batch_size=32",
 
 @pytest.fixture
 def outside(tmp_path):
-  path = tmp_path / "project"
-  path.mkdir()
-  shutil.copy(os.path.join(ROOT, "tests", "user_files.py"),
-              path / "mymod.py")
   user_files.write(str(tmp_path / "files"))
-  return path
+  return user_project(tmp_path, "user_files.py", "mymod.py")
 
 
 def _run(cwd, module, args, env):

@@ -14,6 +14,7 @@ import pytest
 
 import artifacts
 from conftest import ROOT
+from conftest import user_project
 from test_cli_errors import _assert_one_line_error
 from test_trainer_features import _final_evals
 from test_trainer_features import MIRRORED
@@ -26,11 +27,7 @@ COMMON = ["--train_steps=20", "--batch_size=32", "--steps_per_loop=10",
 
 @pytest.fixture
 def outside(tmp_path):
-  path = tmp_path / "project"
-  path.mkdir()
-  shutil.copy(os.path.join(ROOT, "tests", "user_weighted.py"),
-              path / "weighted.py")
-  return path
+  return user_project(tmp_path, "user_weighted.py", "weighted.py")
 
 
 def _train(outside, name, task, *extra, check=True):

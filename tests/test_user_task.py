@@ -3,8 +3,6 @@ through --model/--dataset from a directory outside the repository, on
 default, mirrored and multi-worker; the same weights everywhere; and every
 bad-input case in one line."""
 
-import os
-import shutil
 import subprocess
 import sys
 
@@ -12,12 +10,11 @@ import numpy as np
 import pytest
 
 import artifacts
-from conftest import ROOT
 from conftest import run_cli
+from conftest import user_project
 from test_cli_errors import _assert_one_line_error
 from test_cli_errors import _tree_digest
 
-USER_MODULE = os.path.join(ROOT, "tests", "user_regression.py")
 COMMON = ["--train_steps=20", "--batch_size=32", "--steps_per_loop=10",
           "--log_every=10", "--eval_every=0", "--checkpoint_every=0",
           "--optimizer=sgd", "--learning_rate=0.01"]
@@ -25,11 +22,7 @@ COMMON = ["--train_steps=20", "--batch_size=32", "--steps_per_loop=10",
 
 @pytest.fixture
 def outside(tmp_path):
-  """A directory outside the repository holding only the user's module."""
-  path = tmp_path / "project"
-  path.mkdir()
-  shutil.copy(USER_MODULE, path / "mymod.py")
-  return path
+  return user_project(tmp_path, "user_regression.py", "mymod.py")
 
 
 def _run(cwd, args, module="tfdist.train", timeout=300, prefix=()):

@@ -87,14 +87,25 @@ def _rounds(all_paths, indices, reader):
       one_round)
 
 
+def _window_seed(seed, epoch, window_index):
+  """The shuffle seed of one window: a stateless draw from (seed, epoch,
+  window), the same on every host and in every process."""
+  return tf.random.stateless_uniform(
+      [], seed=tf.stack([tf.cast(seed, tf.int64) * 1_000_003 + epoch,
+                         window_index]),
+      minval=0, maxval=2**62, dtype=tf.int64)
+
+
 def _shuffle_windows(records, seed, epoch, window, first_window):
-  def permute(index, batch):
-    order = tf.random.experimental.stateless_shuffle(
-        tf.range(tf.shape(batch)[0]),
-        seed=tf.stack([tf.cast(seed, tf.int64) * 1_000_003 + epoch,
-                       first_window + index]))
-    return tf.gather(batch, order)
-  return records.batch(window).enumerate().map(permute).unbatch()
+  """Each window of `window` records in an order of its own. `window`
+  buffers a window's records and a fixed-seed `shuffle` of the same size
+  permutes them without copying: one window in memory, where batching
+  and gathering it held three."""
+  def permute(index, records_of_window):
+    return records_of_window.shuffle(
+        window, seed=_window_seed(seed, epoch, first_window + index),
+        reshuffle_each_iteration=False)
+  return records.window(window).enumerate().flat_map(permute)
 
 
 def _seed_tensor(seed):
