@@ -13,9 +13,8 @@ side, with the files in the page cache:
             (its checkpoint written before the round), against a fresh
             start over `big`;
 - bytes:    /proc/PID/io rchar of each of 2 MultiWorkerMirrored workers
-            (launch.local --isolate=off) over the second epoch of `big`
-            (from the end of epoch 1 to the end of epoch 2), as a share
-            of the train files' bytes;
+            (launch.local --isolate=off) per epoch of `big`, over epochs
+            2 to 5, as a share of the train files' bytes;
 - input:    images/s of tfdist's train input alone (one host) against a
             hand-written tf.data loop over the same files and parse
             (interleaved reads, a 10,000-record shuffle, parallel parse,
@@ -35,6 +34,7 @@ import time
 SIDE, CLASSES, FILES = 64, 10, 8
 IMAGE_BYTES = SIDE * SIDE * 3
 BATCH = 256
+EPOCHS_READ = 4  # Epochs a worker's bytes are averaged over.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STEP = re.compile(r"train step (\d+)/")
 _STARTED = re.compile(r"^\[launch\] started (worker:\d) pid=(\d+)")
@@ -150,17 +150,17 @@ def _rchar(pid):
 
 
 def _worker_bytes(root, model_dir, epoch):
-  """Bytes each of two workers reads in its second epoch of training:
-  rchar between the chief's step lines at the ends of epochs 1 and 2. At
-  the same place in two epochs, a worker has read ahead by the same
-  amount; between two arbitrary steps, read-ahead differs by up to a
-  shuffle window (measured: 0.34 between steps E/2 and 3E/2, 0.50 at the
-  ends of epochs)."""
-  marks = (epoch, 2 * epoch)
+  """Bytes each of two workers reads per epoch of training: rchar between
+  the chief's step lines at the ends of epochs 1 and 1 + EPOCHS_READ, over
+  EPOCHS_READ. A worker reads ahead by up to a shuffle window (0.12 of the
+  bytes here), and by a different amount at each step: measured between
+  two steps one epoch apart, the share came out anywhere from 0.34 to 0.61
+  while the in-process count at the ends of epochs was 0.50."""
+  marks = (epoch, (1 + EPOCHS_READ) * epoch)
   proc = subprocess.Popen(
       [sys.executable, "-m", "tfdist.launch.local", "--workers=2",
        "--isolate=off", "--", *_train_args(
-           model_dir, 2 * epoch + 5, ["--strategy=multi_worker_mirrored"])],
+           model_dir, marks[1] + 5, ["--strategy=multi_worker_mirrored"])],
       cwd=_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
       env={**os.environ, "BENCH_FILES": root, "PYTHONUNBUFFERED": "1"})
   pids, seen, tail = {}, [], []
@@ -175,7 +175,7 @@ def _worker_bytes(root, model_dir, epoch):
       seen.append([_rchar(pids[name]) for name in sorted(pids)])
   if proc.wait() or len(seen) < 2:
     raise RuntimeError("launch.local failed:\n" + "".join(tail))
-  return [b - a for a, b in zip(*seen)]
+  return [(b - a) / EPOCHS_READ for a, b in zip(*seen)]
 
 
 def _input_rates(root, batches):
