@@ -6,6 +6,7 @@ import glob
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -105,9 +106,16 @@ def test_every_launcher_takes_the_same_cluster_description(parse, extra):
 def test_wheel_installs_beside_a_foreign_tools_package(tmp_path):
   """No generic top-level package in the wheel; an existing `tools`
   package and tfdist both keep working side by side."""
-  wheels = tmp_path / "wheels"
+  wheels, source = tmp_path / "wheels", tmp_path / "source"
+  # Built from the tracked files alone: a build/ left in the checkout by
+  # an earlier wheel would slip its stale packages into this one.
+  tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+  for name in filter(None, tracked):
+    os.makedirs(os.path.dirname(source / name), exist_ok=True)
+    shutil.copy2(os.path.join(ROOT, name), source / name)
   subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                  "--no-build-isolation", "-w", str(wheels), ROOT],
+                  "--no-build-isolation", "-w", str(wheels), str(source)],
                  check=True, capture_output=True, timeout=300)
   wheel = glob.glob(str(wheels / "tfdist-*.whl"))[0]
   tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
@@ -119,8 +127,19 @@ def test_wheel_installs_beside_a_foreign_tools_package(tmp_path):
   (theirs / "tools").mkdir(parents=True)
   (theirs / "tools" / "__init__.py").write_text("OWNER = 'someone else'\n")
   env = {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{theirs}"}
+  # Every package of the source tree's tfdist/ (a new one must be listed
+  # in setup.cfg, or the wheel ships without it).
+  subpackages = sorted(
+      f"tfdist.{name}" for name in os.listdir(os.path.join(ROOT, "tfdist"))
+      if os.path.exists(os.path.join(ROOT, "tfdist", name, "__init__.py")))
+  assert "tfdist.data" in subpackages
+  # Checked in the wheel itself: the editable install of the test's own
+  # environment would import a missing subpackage from the checkout.
+  names = set(zipfile.ZipFile(wheel).namelist())
+  assert {p for p in subpackages
+          if p.replace(".", "/") + "/__init__.py" not in names} == set()
   check = ("import tools, tfdist, tfdist.models, tfdist.launch.local, "
-           "tfdist.tools.tf_config; "
+           f"tfdist.tools.tf_config, {', '.join(subpackages)}; "
            "assert tools.OWNER == 'someone else'; "
            "assert tfdist.__file__.startswith(%r); "
            "print(tfdist.models.names())" % str(target))
