@@ -86,21 +86,38 @@ def test_records_are_counted_from_the_headers_locally_and_on_ram(root,
 
 def _epochs(split, hosts, host, seed, epochs, window=16):
   """Each of this pipeline's first `epochs` epochs, as a list of ids."""
-  sizes = [sum(split.counts[i] for i in order.host_files(
-      len(split.paths), seed, e, hosts, host)) for e in range(epochs)]
+  sizes = [order.epoch_length(split.counts, seed, e, hosts)
+           for e in range(epochs)]
   stream = _ids(order.records(split, seed=seed, hosts=hosts, host=host,
                               position=0, window=window), sum(sizes))
   bounds = np.cumsum([0] + sizes)
   return [stream[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def _file_ids(split, files):
+  """The ids the kept files `files` hold (ids run on across the files)."""
+  starts = np.cumsum([0] + list(split.counts))
+  return {i for f in files for i in range(starts[f], starts[f + 1])}
+
+
 @pytest.mark.parametrize("hosts", [1, 2, 3])
-def test_each_epoch_reads_each_id_once_over_the_hosts(dataset, hosts):
+def test_each_epoch_reads_each_id_at_most_once_over_the_hosts(dataset,
+                                                              hosts):
+  """Unequal files: every host's epoch is as long as the shortest host's,
+  so they stay in the same epoch; each host's epoch is from its own files
+  of that epoch, and no id repeats within an epoch."""
   split = dataset.file_split
-  epochs = [_epochs(split, hosts, host, 5, 2) for host in range(hosts)]
-  for e in range(2):
+  epochs = [_epochs(split, hosts, host, 5, 3) for host in range(hosts)]
+  for e in range(3):
     seen = collections.Counter(i for host in epochs for i in host[e])
-    assert seen == collections.Counter(range(TOTAL))
+    assert max(seen.values()) == 1
+    for host in range(hosts):
+      assert set(epochs[host][e]) <= _file_ids(split, order.host_files(
+          len(split.paths), 5, e, hosts, host))
+    if hosts == 1:
+      assert seen == collections.Counter(range(TOTAL))
+    else:  # What the longer hosts leave out.
+      assert 0 < TOTAL - len(seen) < TOTAL // 2
   # The order is new every epoch: a new file order and new windows.
   assert epochs[0][0] != epochs[0][1]
   # Another seed, another order.
@@ -112,8 +129,7 @@ def test_a_resume_is_the_tail_of_the_uninterrupted_stream(dataset, hosts,
                                                           host):
   split = dataset.file_split
   window = 16
-  first = sum(split.counts[i] for i in order.host_files(
-      len(split.paths), 9, 0, hosts, host))
+  first = order.epoch_length(split.counts, 9, 0, hosts)
   whole = _ids(order.records(split, seed=9, hosts=hosts, host=host,
                              position=0, window=window), first + 200)
   for position in sorted({1, window - 1, window, window + 3, 45, 100,
@@ -242,3 +258,45 @@ def test_bad_file_data_names_the_argument(root, tmp_path):
   (tmp_path / "eval-0").write_bytes(b"")
   with pytest.raises(ConfigError, match="cannot read .*train-0 as TFRecords"):
     data.file_dataset(_file_data(str(tmp_path)), "garbage")
+
+
+def test_a_changed_plan_is_named_and_the_same_plan_is_silent():
+  plan = {"sharding": "file", "input_pipelines": 2, "train_examples": 512,
+          "train_files": 8, "shuffle_buffer": 10000}
+  assert data.describe_plan_change(plan, dict(plan), 40) is None
+  assert data.describe_plan_change(None, plan, 40) is None
+  message = data.describe_plan_change(
+      plan, {**plan, "sharding": "batch", "input_pipelines": 1}, 40)
+  assert message.startswith("The input plan changed on resume at step 40: "
+                            "sharding file -> batch, input_pipelines 2 -> 1")
+
+
+def test_repeated_or_empty_user_pipelines_are_one_line(root, tmp_path):
+  files = tf.data.TFRecordDataset(sorted(tf.io.gfile.glob(f"{root}/train-*")))
+  parsed = files.map(_parse)
+  with pytest.raises(ConfigError, match="must be finite and not empty "
+                     r"\(leave out .repeat\(\)\). Received: infinite"):
+    data.from_user("mine", parsed.repeat(), parsed)
+  with pytest.raises(ConfigError, match="eval split must be finite"):
+    data.from_user("mine", parsed, parsed.repeat())
+  _write(str(tmp_path), [0])
+  empty = tf.data.TFRecordDataset([f"{tmp_path}/train-000.tfrecord"]).map(
+      _parse)
+  with pytest.raises(ConfigError, match="the train split has no examples"):
+    data.sample_batch(data.from_user("mine", empty, parsed))
+
+
+def test_uneven_files_on_hosts_shard_by_batch_under_auto(dataset):
+  """COUNTS on 2 hosts leave out more than MAX_LEFT_OUT by file."""
+  from tfdist.data import sharding
+  share = order.left_out_share(dataset.file_split.counts, 2)
+  assert share > sharding.MAX_LEFT_OUT
+  assert sharding.resolve_sharding(dataset, "auto", 2, streamed=True) == (
+      "batch")
+  assert "would leave out" in sharding.describe(dataset, "batch", "auto", 2,
+                                                True)
+  even = dataclasses.replace(dataset, file_split=dataclasses.replace(
+      dataset.file_split, counts=(10,) * 8, paths=("p",) * 8),
+      num_train_files=8)
+  assert order.left_out_share(even.file_split.counts, 2) == 0
+  assert sharding.resolve_sharding(even, "auto", 2, streamed=True) == "file"

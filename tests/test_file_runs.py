@@ -77,6 +77,15 @@ def test_two_workers_train_each_example_once_per_epoch_across_a_sigterm(
   counts = _logged_ids(str(ids_dir))
   everything = range(user_files.NUM_FILES * user_files.PER_FILE)
   assert counts == collections.Counter({i: epochs for i in everything})
+  assert "input plan changed" not in output
+  # One host now, where two read their own files: the log says the epoch
+  # in progress is not exact.
+  output = _run(outside, "tfdist.train",
+                [*USER, f"--train_steps={steps + 4}", "--cache=off",
+                 f"--model_dir={model_dir}"],
+                {"USER_FILES": str(tmp_path / "files")})
+  assert (f"The input plan changed on resume at step {steps}: sharding "
+          "file -> batch, input_pipelines 2 -> 1") in output, output[-3000:]
 
 
 def test_every_strategy_trains_on_the_streamed_files(outside, tmp_path):
@@ -103,6 +112,8 @@ def test_every_strategy_trains_on_the_streamed_files(outside, tmp_path):
                  "--strategy=parameter_server",
                  f"--model_dir={dirs['ps']}"], local)
   assert "streamed from its files, not cached" in output
+  assert ("each of the 2 parameter-server workers reads all the train "
+          "data, in an order of its own") in output
   for name, model_dir in dirs.items():
     assert artifacts.checkpoint_step(model_dir) == 24, name
   expected = artifacts.model_weights(dirs["default"])

@@ -85,6 +85,8 @@ def test_bad_option_values_name_the_option():
       ({"lr_schedule": "warp"}, "Unrecognized lr_schedule: 'warp'"),
       ({"clip_norm": 1.0, "mixed_precision": "mixed_float16"},
        "clip_norm would clip loss-scaled"),
+      ({"cache": "none"}, r"a path prefix \(with a / in it.*cache='none'"),
+      ({"cache": "/tmp/dir/"}, "cache='/tmp/dir/'"),
   ]:
     with pytest.raises(Exception, match=expected):
       config_lib.Config(model_dir="/tmp/x", **kwargs)

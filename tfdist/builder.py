@@ -264,6 +264,19 @@ class _Parts:
   sharded: object  # A ShardedUpdate with --shard_optimizer, else None.
 
 
+def _input_pipelines(info):
+  """Input pipelines that split the data: one per worker, except on
+  parameter servers, where each worker's dataset function sees one
+  pipeline (TF's InputContext) and reads all the data in its own order."""
+  if info.coordinator is not None:
+    if info.num_workers > 1:
+      logging.info("Input: each of the %d parameter-server workers reads "
+                   "all the train data, in an order of its own.",
+                   info.num_workers)
+    return 1
+  return info.num_workers
+
+
 def _inputs(config, info, task):
   if task.controls_input:
     return data.inputs_from_task(task, global_batch_size=config.batch_size,
@@ -271,7 +284,7 @@ def _inputs(config, info, task):
   return data.inputs_from_dataset(
       task.data(), global_batch_size=config.batch_size,
       eval_steps_requested=config.eval_steps,
-      sharding=config.input_sharding, num_hosts=info.num_workers,
+      sharding=config.input_sharding, num_hosts=_input_pipelines(info),
       cache=config.cache, shuffle_buffer=config.shuffle_buffer)
 
 
@@ -326,7 +339,7 @@ def _loops(config, info, task, parts, sample, local):
       jit_compile=preflight.jit_mode(config, info, local))
 
 
-def _checkpoint_store(config, task, parts, write_dir):
+def _checkpoint_store(config, task, parts, write_dir, input_plan):
   sharded = parts.sharded
   return checkpoints.CheckpointStore(
       checkpoint=tf.train.Checkpoint(
@@ -340,7 +353,7 @@ def _checkpoint_store(config, task, parts, write_dir):
       signature=checkpoints.model_signature(
           model_name=task.display_name, model=parts.model,
           num_classes=getattr(task, "num_classes", None)),
-      run_record={"schedule": parts.schedule})
+      run_record={"schedule": parts.schedule, "input": input_plan})
 
 
 def _startup_scalars(info, parts):
@@ -359,8 +372,13 @@ def _after_restore_fn(config, parts, store):
   def after_restore():
     # PowerSGD's error buffers belong to the run that wrote the checkpoint.
     parts.reducer.reset()
-    _log_schedule_change((store.previous_run or {}).get("schedule"),
-                         parts.schedule, int(parts.global_step.numpy()))
+    previous = store.previous_run or {}
+    step = int(parts.global_step.numpy())
+    _log_schedule_change(previous.get("schedule"), parts.schedule, step)
+    plan_change = data.describe_plan_change(previous.get("input"),
+                                            store.run_record.get("input"), step)
+    if plan_change:
+      logging.warning("%s", plan_change)
     # A constant rate is a variable in the checkpoint; the flag given now
     # wins. A schedule is a function of the restored step.
     if (parts.schedule["schedule"] == "constant"
@@ -487,7 +505,7 @@ def _run_parts(config, info, task, *, write_dir, callbacks):
   inputs = _inputs(config, info, task)
   parts = _model_and_optimizer(config, info, task, inputs.sample)
   loops = _loops(config, info, task, parts, inputs.sample, local)
-  store = _checkpoint_store(config, task, parts, write_dir)
+  store = _checkpoint_store(config, task, parts, write_dir, inputs.plan)
   if info.coordinator:
     _log_ps_placement(parts.model)
   tracker, keras_callbacks = _best_and_callbacks(

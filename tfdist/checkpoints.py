@@ -245,6 +245,11 @@ class CheckpointStore:
     return self._read_json(storage.join(BEST_DIR, BEST_FILE))
 
   @property
+  def run_record(self):
+    """What this run writes beside its checkpoints."""
+    return self._run_record or {}
+
+  @property
   def previous_run(self):
     """The run record of the run that saved here last, or None."""
     return self._previous_run

@@ -13,6 +13,16 @@ from tfdist import options as options_lib
 from tfdist.errors import ConfigError
 
 
+_CACHE_CHOICES = ("auto", "memory", "off")
+
+
+def _is_cache_choice(value):
+  """auto, memory, off, or a path prefix: a / in it, so that a typo such
+  as `none` does not become a cache file in the current directory."""
+  return value in _CACHE_CHOICES or (
+      "/" in value and not value.endswith("/"))
+
+
 def class_weights(text):
   """{class: weight} of --class_weight ("CLASS:WEIGHT,..."); {} if empty."""
   weights = {}
@@ -42,8 +52,9 @@ def _validate(config):
     message = option.check(value)
     if message:
       raise ConfigError(message)
-  if not config.cache.strip():
-    raise ConfigError("--cache takes auto, memory, off or a path prefix. "
+  if not _is_cache_choice(config.cache):
+    raise ConfigError("--cache takes auto, memory, off or a path prefix "
+                      "(with a / in it, such as /tmp/cache or ./cache). "
                       f"Received: cache={config.cache!r}")
   if config.profile_steps is not None:
     if len(config.profile_steps) != 2 or not (

@@ -68,6 +68,14 @@ def check_run(config, info, local_devices):
         "--shard_optimizer splits the optimizer state over synchronous "
         "replicas: --strategy=mirrored or multi_worker_mirrored. Received: "
         f"strategy={info.name}")
+  if info.coordinator and info.num_workers > 1 and config.cache not in (
+      "auto", "memory", "off"):
+    raise ConfigError(
+        "--cache=PATH writes one cache file per input pipeline, and each "
+        "parameter-server worker's dataset function cannot tell which "
+        "worker it runs on, so they would share one file. Use "
+        "--cache=memory or off. Received: "
+        f"cache={config.cache} with {info.num_workers} workers")
   if config.check_replicas_every and info.coordinator:
     raise ConfigError(
         "--check_replicas_every compares replicas' copies of the weights; "

@@ -15,6 +15,7 @@ from tfdist.data.files import to_dataset as file_dataset
 from tfdist.data.pipeline import Inputs
 from tfdist.data.pipeline import SHUFFLE_BUFFER
 from tfdist.data.pipeline import SYNTHETIC_EVAL_STEPS
+from tfdist.data.pipeline import describe_plan_change
 from tfdist.data.pipeline import eval_input_fn
 from tfdist.data.pipeline import eval_steps
 from tfdist.data.pipeline import inputs_from_dataset
@@ -27,7 +28,7 @@ from tfdist.data.sources import from_user
 from tfdist.data.sources import sample_batch
 
 __all__ = ["Dataset", "FileData", "Inputs", "SHUFFLE_BUFFER",
-           "SYNTHETIC_EVAL_STEPS", "eval_input_fn", "eval_steps", "file_dataset",
+           "SYNTHETIC_EVAL_STEPS", "describe_plan_change", "eval_input_fn", "eval_steps", "file_dataset",
            "features_spec", "from_user", "inputs_from_dataset",
            "inputs_from_task", "load", "resolve_sharding", "sample_batch",
            "train_input_fn"]

@@ -8,7 +8,6 @@ fits. Augmentation runs after the cache either way.
 """
 
 AUTO_CACHE_BYTES = 64 << 20
-CHOICES = ("auto", "memory", "off")
 
 
 def resolve(choice, dataset):
@@ -28,6 +27,12 @@ def cached(source, mode, name):
   if mode == "memory":
     return lambda: source().cache()
   return lambda: source().cache(f"{mode}-{name}")
+
+
+def host_name(split, host, hosts):
+  """A split's cache name on one host: hosts never share a cache file
+  (TF refuses a second writer)."""
+  return f"{split}-{host}-of-{hosts}"
 
 
 def describe(mode, dataset):

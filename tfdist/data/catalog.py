@@ -61,7 +61,8 @@ def _from_builder(builder):
             sum(shard_lengths[host_id::num_hosts]))
 
   return sources.Dataset(
-      train_files=train_files, num_train_files=len(shard_lengths),
+      train_files=train_files,
+      num_train_files=sum(1 for n in shard_lengths if n),
       name=builder.name, input_shape=tuple(features["image"].shape),
       num_classes=features["label"].num_classes,
       num_train_examples=splits["train"].num_examples,

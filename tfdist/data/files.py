@@ -157,8 +157,11 @@ def _counts(paths, compression, name):
     except (OSError, ValueError, tf.errors.OpError) as e:
       raise ConfigError(f"{name}: cannot read {path} as TFRecords "
                         f"({type(e).__name__}: {str(e)[:160]})") from None
-  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+  pool = concurrent.futures.ThreadPoolExecutor(8)
+  try:
     return list(pool.map(one, paths))
+  finally:
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _split(file_data, split, name):

@@ -15,7 +15,7 @@ checkpoint but the step: the shuffle buffer is not state.
 import tensorflow as tf
 
 CYCLE = 8  # Files read at once by one pipeline.
-_FOREVER = 2**62
+FOREVER = 2**62  # Epochs: more than any run takes.
 
 
 def file_order(num_files, seed, epoch):
@@ -32,15 +32,40 @@ def host_files(num_files, seed, epoch, hosts, host):
           [host::hosts]]
 
 
+def epoch_length(counts, seed, epoch, hosts):
+  """Records each pipeline trains on in `epoch`: the fewest any pipeline's
+  files hold, so that all stay in the same epoch (each pipeline leaves out
+  the rest of its own, other records every epoch)."""
+  return min(sum(counts[i] for i in host_files(len(counts), seed, epoch,
+                                               hosts, host))
+             for host in range(hosts))
+
+
+def left_out_share(counts, hosts, epochs=4):
+  """The share of records an epoch leaves out on `hosts` pipelines (the
+  mean of the first `epochs`, for seed 0: what file sharding costs)."""
+  total = sum(counts)
+  return sum(total - hosts * epoch_length(counts, 0, e, hosts)
+             for e in range(epochs)) / (epochs * total)
+
+
+def _epoch_length_tensor(counts, order, hosts):
+  """epoch_length for a file order given as a tensor."""
+  owners = tf.range(len(counts), dtype=tf.int64) % hosts
+  sizes = tf.math.unsorted_segment_sum(
+      tf.gather(tf.constant(counts, tf.int64), order), owners, hosts)
+  return tf.reduce_min(sizes)
+
+
 def locate(counts, seed, hosts, host, position):
   """(epoch, records into it) of pipeline `host` after `position`
   records."""
+  del host  # Every pipeline's epoch has the same length.
   epoch = 0
   if hosts == 1:  # Every epoch holds every record.
     return divmod(position, sum(counts))
   while True:
-    size = sum(counts[i] for i in host_files(len(counts), seed, epoch,
-                                             hosts, host))
+    size = epoch_length(counts, seed, epoch, hosts)
     if position < size:
       return epoch, position
     position -= size
@@ -87,11 +112,16 @@ def _rounds(all_paths, indices, reader):
       one_round)
 
 
+def epoch_seed(seed, epoch):
+  """One seed for (seed, epoch): a shuffle's seed in each epoch."""
+  return seed * 1_000_003 + epoch
+
+
 def _window_seed(seed, epoch, window_index):
   """The shuffle seed of one window: a stateless draw from (seed, epoch,
   window), the same on every host and in every process."""
   return tf.random.stateless_uniform(
-      [], seed=tf.stack([tf.cast(seed, tf.int64) * 1_000_003 + epoch,
+      [], seed=tf.stack([epoch_seed(tf.cast(seed, tf.int64), epoch),
                          window_index]),
       minval=0, maxval=2**62, dtype=tf.int64)
 
@@ -125,17 +155,20 @@ def records(split, *, seed, hosts, host, position, window):
 
   def epoch_records(epoch):
     epoch_seed = _seed_tensor(seed)
-    mine = file_order(num_files, epoch_seed, epoch)[host::hosts]
-    return _shuffle_windows(_rounds(all_paths, mine, split.reader),
-                            epoch_seed, epoch, window, 0)
+    order = file_order(num_files, epoch_seed, epoch)
+    return _shuffle_windows(
+        _rounds(all_paths, order[host::hosts], split.reader), epoch_seed,
+        epoch, window, 0).take(
+            _epoch_length_tensor(split.counts, order, hosts))
 
   if seed is None:
-    return tf.data.Dataset.range(_FOREVER).flat_map(epoch_records)
+    return tf.data.Dataset.range(FOREVER).flat_map(epoch_records)
   epoch, into = locate(split.counts, seed, hosts, host, position)
   first = _resumed_epoch(split, seed, epoch, hosts, host,
                          into // window, window)
-  return first.skip(into % window).concatenate(
-      tf.data.Dataset.range(epoch + 1, _FOREVER).flat_map(epoch_records))
+  length = epoch_length(split.counts, seed, epoch, hosts)
+  return first.skip(into % window).take(length - into).concatenate(
+      tf.data.Dataset.range(epoch + 1, FOREVER).flat_map(epoch_records))
 
 
 def _resumed_epoch(split, seed, epoch, hosts, host, first_window, window):

@@ -9,7 +9,7 @@ once.
 
 import dataclasses
 import math
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 from absl import logging
 import tensorflow as tf
@@ -22,7 +22,6 @@ from tfdist.errors import ConfigError
 
 SHUFFLE_BUFFER = 10_000
 SYNTHETIC_EVAL_STEPS = 10
-_FOREVER = 2**62
 
 
 def _unit_mask(features, labels, *sample_weight):
@@ -35,7 +34,7 @@ def _epoch_seed(seed, epoch):
     # The function is traced once and shipped to every worker, so any
     # graph-level seed is shared; the clock on each worker is not.
     return tf.cast(tf.timestamp() * 1e6, tf.int64) + epoch
-  return seed * 1_000_003 + epoch
+  return order.epoch_seed(seed, epoch)
 
 
 def _in_one_tensor(dataset, num_examples):
@@ -69,7 +68,7 @@ def _batches(source, num_examples, seed, start_example, batch_size,
   """
   first_epoch, offset = divmod(start_example, num_examples)
   base = source()
-  epochs = tf.data.Dataset.range(first_epoch, _FOREVER)
+  epochs = tf.data.Dataset.range(first_epoch, order.FOREVER)
   if augment is None and _in_one_tensor(base, num_examples):
     whole = base.batch(num_examples, drop_remainder=True).cache().repeat()
 
@@ -105,7 +104,7 @@ def _stream_batches(dataset, seed, start_example, batch_size, buffer):
   def one_epoch(epoch):
     return dataset.train_source().shuffle(buffer,
                                           seed=_epoch_seed(seed, epoch))
-  examples = tf.data.Dataset.range(_FOREVER).flat_map(one_epoch)
+  examples = tf.data.Dataset.range(order.FOREVER).flat_map(one_epoch)
   return _augmented(examples.skip(start_example), dataset.augment).batch(
       batch_size, drop_remainder=True)
 
@@ -174,7 +173,8 @@ def train_input_fn(dataset: sources.Dataset, *, global_batch_size, seed,
     else:
       batches = sharding_lib.host_slice(_all_batches(
           dataset, policy, seed, start_step * global_batch_size, per_host,
-          shuffle_buffer), context, per_host, None)
+          shuffle_buffer, cache_lib.host_name("train", host, hosts)),
+          context, per_host, None)
     # Epochs go on for ever; saying so lets a multi-worker iterator skip
     # its per-step "any data left?" all-reduce, and lets runners.SyncRunner
     # use a plain iterator.
@@ -190,18 +190,20 @@ def _file_batches(dataset, policy, seed, hosts, host, start, per_host,
     return _planned_batches(dataset, seed, hosts, host, start, per_host,
                             buffer)
   source, num_examples = dataset.train_files(hosts, host)
-  return _batches(policy.source(dataset, source, f"train-{host}-of-{hosts}"),
+  return _batches(policy.source(dataset, source,
+                                cache_lib.host_name("train", host, hosts)),
                   num_examples, seed, start, per_host, dataset.augment,
                   buffer)
 
 
-def _all_batches(dataset, policy, seed, start, per_host, buffer):
+def _all_batches(dataset, policy, seed, start, per_host, buffer,
+                 cache_name):
   """Per-host batches of the whole stream, which every host reads."""
   if policy.planned:
     return _planned_batches(dataset, seed, 1, 0, start, per_host, buffer)
   if dataset.num_train_examples is None:
     return _stream_batches(dataset, seed, start, per_host, buffer)
-  return _batches(policy.source(dataset, dataset.train_source, "train"),
+  return _batches(policy.source(dataset, dataset.train_source, cache_name),
                   dataset.num_train_examples, seed, start, per_host,
                   dataset.augment, buffer)
 
@@ -220,7 +222,9 @@ def eval_input_fn(dataset: sources.Dataset, *, global_batch_size,
   batches. A split read from files is streamed unless --cache says
   otherwise: every host reads it whole, in file order."""
   num_real = dataset.num_test_examples
-  policy = _Policy.of(dataset, cache)
+  # Eval is rebuilt for every evaluation: a memory cache would be filled
+  # again each time, so `auto` streams it.
+  policy = _Policy.of(dataset, "off" if cache == "auto" else cache)
 
   def real_mask(indices, batch):
     features, labels, *sample_weight = batch
@@ -231,7 +235,8 @@ def eval_input_fn(dataset: sources.Dataset, *, global_batch_size,
     per_host = global_batch_size // context.num_input_pipelines
     source = policy.source(
         dataset, dataset.test_source,
-        f"eval-{context.input_pipeline_id}")()
+        cache_lib.host_name("eval", context.input_pipeline_id,
+                            context.num_input_pipelines))()
     if num_real is None:
       return sharding_lib.host_slice(
           source.repeat().batch(per_host, drop_remainder=True), context,
@@ -256,6 +261,9 @@ class Inputs:
   sample: Tuple  # A few (features, labels) examples, batched.
   features_spec: object  # One example's features (no batch dimension).
   image_input: bool = False  # The export names a single input "images".
+  # What decides the order of the train examples besides the seed: kept
+  # with the checkpoint, so that a resume on another plan says so.
+  plan: Optional[dict] = None
 
 
 def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
@@ -273,6 +281,7 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
     logging.info("Input sharding: %s: %s.", mode, sharding_lib.describe(
         dataset, mode, sharding, num_hosts, policy.planned))
   return Inputs(
+      plan=_plan(dataset, mode, num_hosts, shuffle_buffer),
       name=dataset.name,
       train_fn=lambda start_step, seed: train_input_fn(
           dataset, global_batch_size=global_batch_size, seed=seed,
@@ -286,6 +295,27 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
       sample=sources.sample_batch(dataset),
       features_spec=sources.features_spec(dataset),
       image_input=dataset.input_shape is not None)
+def _plan(dataset, mode, num_hosts, shuffle_buffer):
+  return {"sharding": mode, "input_pipelines": num_hosts if mode == "file"
+          else 1, "train_examples": dataset.num_train_examples,
+          "train_files": dataset.num_train_files,
+          "shuffle_buffer": shuffle_buffer}
+
+
+def describe_plan_change(previous, plan, step):
+  """A warning's text when a resume at `step` reads another plan than the
+  run that saved: the epoch in progress may then repeat and skip
+  examples. None when the plans agree (or one is unknown)."""
+  if not previous or not plan or previous == plan:
+    return None
+  changed = ", ".join(f"{k} {previous.get(k)} -> {v}"
+                      for k, v in plan.items() if previous.get(k) != v)
+  return (f"The input plan changed on resume at step {step}: {changed}. "
+          "The epoch in progress is read from the new plan, so some of its "
+          "examples may be trained twice and others not at all; the epochs "
+          "after it are exact.")
+
+
 def inputs_from_task(task, *, global_batch_size,
                      eval_steps_requested) -> Inputs:
   """A task's own per-replica pipelines (full control)."""

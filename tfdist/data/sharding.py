@@ -4,7 +4,13 @@ own files)."""
 
 import tensorflow as tf
 
+from tfdist.data import order
 from tfdist.errors import ConfigError
+
+# --input_sharding=auto shards by file when an epoch leaves out at most this
+# share of the records (hosts whose files hold more than the shortest
+# host's leave out the rest, other records each epoch).
+MAX_LEFT_OUT = 0.02
 
 
 def resolve_sharding(dataset, sharding, num_hosts, *, streamed=False):
@@ -16,7 +22,8 @@ def resolve_sharding(dataset, sharding, num_hosts, *, streamed=False):
   """
   if sharding == "auto":
     return "file" if streamed and num_hosts > 1 and (
-        dataset.num_train_files >= num_hosts) else "batch"
+        dataset.num_train_files >= num_hosts) and _left_out(
+            dataset, num_hosts) <= MAX_LEFT_OUT else "batch"
   if sharding == "file" and dataset.num_train_files < num_hosts:
     raise ConfigError(
         f"--input_sharding=file gives each of the {num_hosts} hosts its own "
@@ -26,19 +33,34 @@ def resolve_sharding(dataset, sharding, num_hosts, *, streamed=False):
   return sharding
 
 
+def _left_out(dataset, num_hosts):
+  split = dataset.file_split
+  return order.left_out_share(split.counts, num_hosts) if split else 0.0
+
+
 def describe(dataset, mode, sharding, num_hosts, streamed):
   """The log line's reason for the sharding a run uses."""
   files = dataset.num_train_files
   if mode == "file":
+    left_out = _left_out(dataset, num_hosts)
     return (f"each host reads only its own files, about 1/{num_hosts} of "
-            f"{files}")
+            f"{files}" + (
+                f"; each epoch leaves out about {left_out:.1%} of the "
+                "records, other ones each epoch (a host's epoch is as long "
+                "as the shortest host's)" if left_out else ""))
   why = ""
   if sharding == "auto":
     if not streamed:
-      why = " (the data is in memory or cached)"
+      why = (" (the data is in memory or cached)" if dataset.file_split
+             or dataset.in_memory else " (a dataset built by hand: tfdist "
+             "does not know its files)")
     elif files < num_hosts:
       why = (f" ({files} train file(s) for {num_hosts} hosts: too few for "
              "one each)")
+    else:
+      why = (f" (by file, {files} files on {num_hosts} hosts would leave "
+             f"out {_left_out(dataset, num_hosts):.1%} of the records each "
+             f"epoch, more than {MAX_LEFT_OUT:.0%})")
   return (f"every host reads all {files or 'the'} train file(s) and keeps "
           f"its slice of each global batch{why}")
 

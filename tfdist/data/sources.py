@@ -52,7 +52,8 @@ class Dataset:
 _FILE_READERS = frozenset((
     "TFRecordDataset", "TFRecordDatasetV2", "TextLineDataset",
     "TextLineDatasetV2", "FixedLengthRecordDataset",
-    "FixedLengthRecordDatasetV2", "ArrayRecordDataset"))
+    "FixedLengthRecordDatasetV2", "ArrayRecordDataset", "ReadFile",
+    "CSVDataset", "CSVDatasetV2", "LoadDataset", "SqlDataset"))
 
 
 def _graph_def(dataset, policy):
@@ -123,13 +124,7 @@ def from_user(name, train, test):
         "and a resume reads up to its position again; return a "
         "tfdist.FileData for sharding by file and a resume that rereads "
         "nothing.", name)
-  num_train = int(train.cardinality()) if streamed else count(train)
-  if num_train < 0:
-    num_train = None  # Unknown: epochs end when the files do.
-  if num_train is not None and num_train <= 0 or (
-      num_train is None and not streamed):
-    raise ConfigError(f"{name}: the train split must be finite and not "
-                      f"empty. Received: {num_train} examples")
+  num_train = _train_size(name, train, streamed)
   return Dataset(name=name, num_train_examples=num_train,
                  num_test_examples=_count_streamed(name, test)
                  if test_streamed else count(test),
@@ -140,12 +135,29 @@ def from_user(name, train, test):
                  in_memory=not streamed)
 
 
+def _train_size(name, train, streamed):
+  """Examples in the train split; None for files of unknown size (epochs
+  end when the files do)."""
+  size = int(train.cardinality()) if streamed else count(train)
+  if streamed and size == int(tf.data.UNKNOWN_CARDINALITY):
+    return None
+  if size is None or size <= 0:  # count: None; cardinality: -1, infinite.
+    infinite = size is None or size == int(tf.data.INFINITE_CARDINALITY)
+    raise ConfigError(f"{name}: the train split must be finite and not "
+                      "empty (leave out .repeat()). Received: "
+                      f"{'infinite' if infinite else size} examples")
+  return size
+
+
 def _count_streamed(name, test):
   """An eval split read from files, counted once without keeping it: exact
   eval pads to whole batches and must know where the real examples end."""
   size = int(test.cardinality())
   if size >= 0:
     return size
+  if size == int(tf.data.INFINITE_CARDINALITY):
+    raise ConfigError(f"{name}: the eval split must be finite (leave out "
+                      ".repeat()). Received: infinite examples")
   logging.info("%s (eval) reads files of unknown size: counting its "
                "examples once (tfdist.FileData counts records instead).",
                name)
@@ -197,4 +209,6 @@ def features_spec(dataset: Dataset):
 def sample_batch(dataset: Dataset, size=2):
   """A few (features, labels), batched: to check a model against the
   data."""
-  return tuple(next(iter(dataset.train_source().batch(size).take(1)))[:2])
+  for batch in dataset.train_source().batch(size).take(1):
+    return tuple(batch[:2])
+  raise ConfigError(f"{dataset.name}: the train split has no examples.")
