@@ -1,8 +1,10 @@
-"""tfdist.collectives on real strategies: the all-to-all reduce-scatter
-and the all-gather of shards give the all-reduced sum, on mirrored(2),
-mirrored(4) and two MultiWorkerMirrored processes (tests/collectives_check.py
-checks the numbers; each run is a fresh process, since the logical CPUs
-are fixed at start-up)."""
+"""tfdist.collectives and the sharded optimizer update on real strategies:
+the all-to-all reduce-scatter and the all-gather of shards give the
+all-reduced sum, and the sharded update gives one device's weights and
+slots, on mirrored(2), mirrored(4) and two MultiWorkerMirrored processes
+(tests/strategy_checks.py checks the numbers; one fresh process per
+strategy, since the logical CPUs are fixed at start-up, runs each of its
+cases)."""
 
 import json
 import os
@@ -14,22 +16,19 @@ import pytest
 
 from conftest import ROOT
 
-CHECK = os.path.join(ROOT, "tests", "collectives_check.py")
+CHECK = os.path.join(ROOT, "tests", "strategy_checks.py")
+# tests/strategy_checks.py's sharded cases: 8 steps of a cosine schedule
+# with warmup; the weights and every slot against Keras's own update on
+# one device.
+MIRRORED_CASES = {2: ["collectives", "sharded:adam:0.0"],
+                  4: ["collectives", "sharded:momentum:0.5",
+                      "sharded:adamw:0.3"]}
+TWO_WORKER_CASES = ["collectives", "sharded:adam:0.5", "sharded:momentum:0.5"]
 
 
-def _passed(proc):
+def _lines(proc, prefix):
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-  return [l for l in proc.stdout.splitlines()
-          if l.startswith("collectives ok:")]
-
-
-@pytest.mark.parametrize("replicas", [2, 4])
-def test_reduce_scatter_and_all_gather_on_mirrored(replicas):
-  proc = subprocess.run([sys.executable, CHECK, "mirrored", str(replicas)],
-                        cwd=ROOT, capture_output=True, text=True,
-                        timeout=300)
-  lines = _passed(proc)
-  assert lines and f"{replicas} replicas" in lines[0]
+  return [l for l in proc.stdout.splitlines() if l.startswith(prefix)]
 
 
 def _two_workers(argv):
@@ -50,22 +49,45 @@ def _two_workers(argv):
   return results
 
 
-def test_reduce_scatter_and_all_gather_on_two_workers():
+@pytest.fixture(scope="module")
+def mirrored_runs():
+  """replicas -> the CompletedProcess of its cases, run once."""
+  runs = {}
+
+  def run(replicas):
+    if replicas not in runs:
+      runs[replicas] = subprocess.run(
+          [sys.executable, CHECK, "mirrored", str(replicas),
+           *MIRRORED_CASES[replicas]],
+          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return runs[replicas]
+  return run
+
+
+@pytest.fixture(scope="module")
+def two_worker_runs():
+  return _two_workers([sys.executable, CHECK, "multi_worker",
+                       *TWO_WORKER_CASES])
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_reduce_scatter_and_all_gather_on_mirrored(replicas, mirrored_runs):
+  lines = _lines(mirrored_runs(replicas), "collectives ok:")
+  assert lines and f"{replicas} replicas" in lines[0]
+
+
+def test_reduce_scatter_and_all_gather_on_two_workers(two_worker_runs):
   ranks = set()
-  for result in _two_workers([sys.executable, CHECK, "multi_worker"]):
-    lines = _passed(result)
+  for result in two_worker_runs:
+    lines = _lines(result, "collectives ok:")
     assert lines and "2 replicas" in lines[0]
     ranks.add(lines[0].split("ranks ")[1].split("]")[0])
   assert ranks == {"[0", "[1"}  # Each worker holds its own shard.
 
 
-SHARDED = os.path.join(ROOT, "tests", "sharded_check.py")
-
-
-def _assert_sharded(proc, replicas, optimizer):
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-  [line] = [l for l in proc.stdout.splitlines()
-            if l.startswith("sharded ok:")]
+def _assert_sharded(proc, replicas, optimizer, clip):
+  [line] = [l for l in _lines(proc, "sharded ok:")
+            if f", {optimizer}, clip {clip}," in l]
   assert f"{replicas} replicas" in line
   held, whole = (int(n) for n in
                  line.split("state per replica ")[1].split(" bytes")[0]
@@ -75,20 +97,14 @@ def _assert_sharded(proc, replicas, optimizer):
   assert 0 <= held * replicas - whole < replicas * 4 * slots, line
 
 
-# tests/sharded_check.py: 8 steps of a cosine schedule with warmup; the
-# weights and every slot against Keras's own update on one device.
 @pytest.mark.parametrize("replicas,optimizer,clip", [
-    (2, "adam", 0.0), (4, "momentum", 0.5), (4, "adamw", 0.3)])
+    (2, "adam", "0"), (4, "momentum", "0.5"), (4, "adamw", "0.3")])
 def test_sharded_update_gives_one_devices_weights_and_slots(
-    replicas, optimizer, clip):
-  _assert_sharded(subprocess.run(
-      [sys.executable, SHARDED, str(replicas), optimizer, str(clip)],
-      cwd=ROOT, capture_output=True, text=True, timeout=300),
-                  replicas, optimizer)
+    replicas, optimizer, clip, mirrored_runs):
+  _assert_sharded(mirrored_runs(replicas), replicas, optimizer, clip)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "momentum"])
-def test_sharded_update_on_two_workers(optimizer):
-  for result in _two_workers([sys.executable, SHARDED, "0", optimizer,
-                              "0.5"]):
-    _assert_sharded(result, 2, optimizer)
+def test_sharded_update_on_two_workers(optimizer, two_worker_runs):
+  for result in two_worker_runs:
+    _assert_sharded(result, 2, optimizer, "0.5")

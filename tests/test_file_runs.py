@@ -1,7 +1,7 @@
 """tfdist.FileData in real runs, from a module outside the repository
 (tests/user_files.py as mymod): two MultiWorkerMirrored workers reading
 their own files train each example exactly once per epoch across a
-SIGTERM and its resume; default on ram://, mirrored, MultiWorkerMirrored
+SIGTERM and its resume, as one default-strategy process does; default on ram://, mirrored, MultiWorkerMirrored
 and parameter servers train on the same streamed files, the synchronous
 ones to the same weights; bad FileData is one line."""
 
@@ -86,6 +86,38 @@ def test_two_workers_train_each_example_once_per_epoch_across_a_sigterm(
                 {"USER_FILES": str(tmp_path / "files")})
   assert (f"The input plan changed on resume at step {steps}: sharding "
           "file -> batch, input_pipelines 2 -> 1") in output, output[-3000:]
+
+
+def test_one_host_trains_each_example_once_per_epoch_across_a_sigterm(
+    outside, tmp_path):
+  """The default strategy: one process reads all 8 files, an epoch is 16
+  steps of 32; SIGTERM at step 10 saves and exits 42, a second process
+  resumes there and finishes."""
+  ids_dir = tmp_path / "ids"
+  ids_dir.mkdir()
+  model_dir = str(tmp_path / "run")
+  epochs = 2
+  steps = epochs * user_files.NUM_FILES * user_files.PER_FILE // 32
+  env = {**os.environ, "USER_FILES": str(tmp_path / "files"),
+         "USER_IDS_DIR": str(ids_dir), "USER_SLEEP": "0.05"}
+  args = [sys.executable, "-m", "tfdist.train", *USER,
+          f"--train_steps={steps}", "--log_every=2", "--cache=off",
+          "--checkpoint_every=1000", f"--model_dir={model_dir}"]
+  first = subprocess.Popen(args, cwd=outside, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  lines = []
+  for line in first.stdout:
+    lines.append(line)
+    if f"train step 10/{steps}" in line:
+      first.send_signal(signal.SIGTERM)
+  assert first.wait(timeout=120) == 42, "".join(lines[-40:])
+  output = _run(outside, "tfdist.train", args[3:], env)
+  resumed = int(re.search(r"Resumed from \S+ at step (\d+)", output).group(1))
+  assert 10 <= resumed < 16, output[-3000:]  # Inside the first epoch.
+  assert artifacts.checkpoint_step(model_dir) == steps
+  counts = _logged_ids(str(ids_dir))
+  everything = range(user_files.NUM_FILES * user_files.PER_FILE)
+  assert counts == collections.Counter({i: epochs for i in everything})
 
 
 def test_every_strategy_trains_on_the_streamed_files(outside, tmp_path):

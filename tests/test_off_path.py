@@ -62,6 +62,21 @@ _STRATEGIES = {
 _DEFAULT_WEIGHTS = {}
 
 
+def _check_default_run(form, stdout, model_dir):
+  if form == "task":
+    # The embedding really trained (its table is among the checkpoint's).
+    assert len(artifacts.model_weights(model_dir)) >= 8
+    return
+  # A compiled model brings its own loss (mse) and metric (mae), not
+  # classification's: regression targets are floats, which sparse
+  # cross-entropy would reject.
+  assert "eval mae " in stdout
+  assert {"loss", "mae"} <= artifacts.summary_tags(
+      os.path.join(model_dir, "eval"))
+  loss = float(stdout.split("eval loss ")[1].split()[0])
+  assert 0 < loss < 50
+
+
 @pytest.mark.parametrize("strategy", list(_STRATEGIES))
 @pytest.mark.parametrize("form", list(_USER_FORMS))
 def test_user_model_on_every_strategy_from_a_fresh_data_dir(
@@ -78,6 +93,7 @@ def test_user_model_on_every_strategy_from_a_fresh_data_dir(
                          proc.stdout).group(1))
   if strategy == "default":
     _DEFAULT_WEIGHTS[form] = (artifacts.model_weights(model_dir), loss)
+    _check_default_run(form, proc.stdout, model_dir)
     return
   if form not in _DEFAULT_WEIGHTS:
     pytest.skip("needs the default run of this form, which runs first")

@@ -1,25 +1,18 @@
 """One source for every option; one cluster description for every
-launcher; a clean install; the profile in TensorBoard."""
+launcher; a clean install. A run's hparams and the profile in
+TensorBoard are checked on tests/test_run_outputs.py's run."""
 
 import dataclasses
 import glob
-import gzip
-import json
 import os
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 import zipfile
 
-import portpicker
 import pytest
 
-import artifacts
-
 from conftest import ROOT
-from conftest import run_cli
 from tfdist import config as config_lib
 from tfdist import options as options_lib
 from tfdist.launch import k8s
@@ -68,13 +61,6 @@ def test_help_lists_the_main_flags_of_each_section():
   sections = {o.section for o in options_lib.OPTIONS
               if o.name in options_lib.KEY_OPTIONS}
   assert sections == set(options_lib.SECTIONS)
-
-
-def test_every_option_reaches_the_hparams_log(tmp_path, data_dir):
-  run_cli("--train_steps=10", "--steps_per_loop=10", "--log_every=10",
-          "--export=false", "--profile_steps=2,4", f"--data_dir={data_dir}",
-          f"--model_dir={tmp_path / 'run'}")
-  assert set(artifacts.hparams(str(tmp_path / "run" / "train"))) == set(NAMES)
 
 
 def test_bad_option_values_name_the_option():
@@ -157,39 +143,3 @@ def test_wheel_installs_beside_a_foreign_tools_package(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)
     assert expected in proc.stdout, proc.stdout + proc.stderr
-
-
-def _get(url):
-  with urllib.request.urlopen(url, timeout=10) as response:
-    body = response.read()
-    if response.headers.get("Content-Encoding") == "gzip":
-      body = gzip.decompress(body)
-  return json.loads(body)
-
-
-def test_tensorboard_shows_the_profile(tmp_path, data_dir):
-  model_dir = tmp_path / "run"
-  run_cli("--train_steps=30", "--log_every=10", "--steps_per_loop=10",
-          "--profile_steps=10,20", "--export=false",
-          f"--data_dir={data_dir}", f"--model_dir={model_dir}")
-  port = portpicker.pick_unused_port()
-  board = subprocess.Popen(
-      [os.path.join(os.path.dirname(sys.executable), "tensorboard"),
-       "--logdir", str(model_dir), "--host", "127.0.0.1", "--port",
-       str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  try:
-    deadline = time.monotonic() + 90
-    while True:
-      try:
-        plugins = _get(f"http://127.0.0.1:{port}/data/plugins_listing")
-        break
-      except OSError:
-        if time.monotonic() > deadline:
-          raise
-        time.sleep(1)
-    assert plugins["profile"]["enabled"] is True
-    runs = _get(f"http://127.0.0.1:{port}/data/plugin/profile/runs")
-    assert "train" in json.dumps(runs), runs
-  finally:
-    board.terminate()
-    board.wait(timeout=30)

@@ -20,12 +20,20 @@ def _args(model_dir, data_dir, *extra):
   return [f"--model_dir={model_dir}", f"--data_dir={data_dir}", *PS, *extra]
 
 
-def test_trains_to_accuracy_with_an_exact_step(tmp_path, data_dir):
-  model_dir = str(tmp_path / "run")
-  proc = run_launcher(CLUSTER, [
+@pytest.fixture(scope="module")
+def ps_run(tmp_path_factory, data_dir):
+  """One job checked for its accuracy and for its sidecar evaluator: 1
+  chief, 2 workers, 1 ps and an evaluator, 300 steps of the mlp."""
+  model_dir = str(tmp_path_factory.mktemp("ps") / "run")
+  proc = run_launcher([*CLUSTER, "--evaluator"], [
       f"--model_dir={model_dir}", f"--data_dir={data_dir}",
       "--strategy=parameter_server", "--model=mlp", "--dataset=digits",
       "--batch_size=64", "--train_steps=300"])
+  return model_dir, proc
+
+
+def test_trains_to_accuracy_with_an_exact_step(ps_run):
+  model_dir, proc = ps_run
   accuracy = float(re.search(r"chief:0 \| Finished at step 300/300 .* eval "
                              r"accuracy ([0-9.]+)", proc.stdout).group(1))
   assert accuracy >= 0.90
@@ -163,12 +171,8 @@ def test_embedding_is_sharded_across_ps_tasks(tmp_path, data_dir):
   assert "Finished at step 100/100" in proc.stdout
 
 
-def test_sidecar_evaluator_is_exact_and_outside_the_cluster(tmp_path,
-                                                            data_dir):
-  model_dir = str(tmp_path / "run")
-  proc = run_launcher(
-      ["--chief", "--workers=1", "--ps=1", "--evaluator"],
-      _args(model_dir, data_dir, "--train_steps=300"))
+def test_sidecar_evaluator_is_exact_and_outside_the_cluster(ps_run):
+  model_dir, proc = ps_run
   assert "Sidecar evaluator done at step 300" in proc.stdout
   sidecar = re.search(r"evaluator:0 \| .*eval  step 300: (accuracy [0-9.]+ "
                       r"+loss [0-9.]+ +\(359 examples\))", proc.stdout)

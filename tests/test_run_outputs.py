@@ -1,15 +1,24 @@
-"""What one run leaves behind: resumable checkpoints, TensorBoard events,
-a servable SavedModel; and a corrupt checkpoint is skipped, not trusted."""
+"""What one run leaves behind: resumable checkpoints, TensorBoard events
+with every option in its hparams and the profile TensorBoard shows, a
+servable SavedModel; and a corrupt checkpoint is skipped, not trusted."""
 
 import glob
+import gzip
+import json
 import os
+import subprocess
+import sys
+import time
+import urllib.request
 
 import numpy as np
+import portpicker
 import pytest
 import tensorflow as tf
 
 import artifacts
 from conftest import run_cli
+from tfdist import options as options_lib
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +61,45 @@ def test_tensorboard_events(finished_run):
   traces = glob.glob(os.path.join(model_dir, "train", "plugins", "profile",
                                   "*", "*.xplane.pb"))
   assert traces, "no profiler trace"
+
+
+def test_every_option_reaches_the_hparams_log(finished_run):
+  model_dir, _ = finished_run
+  assert set(artifacts.hparams(os.path.join(model_dir, "train"))) == {
+      o.name for o in options_lib.OPTIONS}
+
+
+def _get(url):
+  with urllib.request.urlopen(url, timeout=10) as response:
+    body = response.read()
+    if response.headers.get("Content-Encoding") == "gzip":
+      body = gzip.decompress(body)
+  return json.loads(body)
+
+
+def test_tensorboard_shows_the_profile(finished_run):
+  model_dir, _ = finished_run
+  port = portpicker.pick_unused_port()
+  board = subprocess.Popen(
+      [os.path.join(os.path.dirname(sys.executable), "tensorboard"),
+       "--logdir", str(model_dir), "--host", "127.0.0.1", "--port",
+       str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.monotonic() + 90
+    while True:
+      try:
+        plugins = _get(f"http://127.0.0.1:{port}/data/plugins_listing")
+        break
+      except OSError:
+        if time.monotonic() > deadline:
+          raise
+        time.sleep(1)
+    assert plugins["profile"]["enabled"] is True
+    runs = _get(f"http://127.0.0.1:{port}/data/plugin/profile/runs")
+    assert "train" in json.dumps(runs), runs
+  finally:
+    board.terminate()
+    board.wait(timeout=30)
 
 
 def test_memory_per_replica_device_is_logged_and_in_tensorboard(

@@ -56,16 +56,30 @@ def _slot_bytes(model_dir):
              if k.startswith("optimizer/_variables/"))
 
 
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory, data_dir):
+  """optimizer -> the model_dir of its 20-step run on one device, trained
+  once for every test that compares with it."""
+  runs = {}
+
+  def run(optimizer):
+    if optimizer not in runs:
+      runs[optimizer] = tmp_path_factory.mktemp(optimizer) / "one"
+      _train(runs[optimizer], data_dir, 20, *OPTIMIZERS[optimizer])
+    return runs[optimizer]
+  return run
+
+
 @pytest.mark.parametrize("replicas,optimizer", [(2, "adam"),
                                                 (4, "momentum")])
 def test_mirrored_sharded_run_keeps_one_devices_weights_and_slots(
-    tmp_path, data_dir, replicas, optimizer):
-  _train(tmp_path / "one", data_dir, 20, *OPTIMIZERS[optimizer])
+    tmp_path, data_dir, replicas, optimizer, one_device):
+  one = one_device(optimizer)
   proc = _train(tmp_path / "sharded", data_dir, 20, *OPTIMIZERS[optimizer],
                 "--strategy=mirrored", f"--num_cpu_devices={replicas}",
                 "--shard_optimizer")
-  _assert_same_checkpoint(tmp_path / "sharded", tmp_path / "one")
-  whole = _slot_bytes(tmp_path / "one")
+  _assert_same_checkpoint(tmp_path / "sharded", one)
+  whole = _slot_bytes(one)
   for device in range(replicas):
     [(_, held)] = artifacts.scalars(str(tmp_path / "sharded" / "train"),
                                     f"optimizer_bytes/CPU:{device}")
@@ -79,15 +93,14 @@ def test_mirrored_sharded_run_keeps_one_devices_weights_and_slots(
 
 
 def test_two_workers_sharded_keep_one_devices_weights_and_slots(
-    tmp_path, data_dir):
-  _train(tmp_path / "one", data_dir, 20, *OPTIMIZERS["momentum"])
+    tmp_path, data_dir, one_device):
   proc = run_launcher(
       ["--workers=2", "--isolate=off"],
       [f"--model_dir={tmp_path / 'sharded'}", f"--data_dir={data_dir}",
        *COMMON, "--train_steps=20", *OPTIMIZERS["momentum"],
        "--strategy=multi_worker_mirrored", "--shard_optimizer"])
   assert "optimizer state 0.5x the trainable weights" in proc.stdout
-  _assert_same_checkpoint(tmp_path / "sharded", tmp_path / "one")
+  _assert_same_checkpoint(tmp_path / "sharded", one_device("momentum"))
 
 
 def test_resume_sharded_unsharded_sharded_across_replica_counts(

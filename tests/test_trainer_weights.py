@@ -35,12 +35,28 @@ def _step_zero(model_dir, data_dir, *extra):
                         "--train_steps=1", "--learning_rate=0", *extra))
 
 
-@pytest.mark.parametrize("strategy", [[], MIRRORED], ids=["default",
-                                                          "mirrored"])
-def test_warm_start_from_a_tfdist_checkpoint(tmp_path, data_dir, strategy):
-  source = tmp_path / "source"
+@pytest.fixture(scope="module")
+def warm_source(tmp_path_factory, data_dir):
+  """A 30-step run both strategies warm-start from."""
+  source = tmp_path_factory.mktemp("warm") / "source"
   run_cli(*_args(source, data_dir, "--mode=train", "--train_steps=30",
                  "--learning_rate=0.01"))
+  return source
+
+
+@pytest.fixture(scope="module")
+def fresh_start(tmp_path_factory, data_dir):
+  """The weights a run starts from without a warm start."""
+  fresh = tmp_path_factory.mktemp("fresh") / "fresh"
+  _step_zero(fresh, data_dir)
+  return _trainable(fresh)
+
+
+@pytest.mark.parametrize("strategy", [[], MIRRORED], ids=["default",
+                                                          "mirrored"])
+def test_warm_start_from_a_tfdist_checkpoint(tmp_path, data_dir, strategy,
+                                             warm_source):
+  source = warm_source
   warm = tmp_path / "warm"
   proc = _step_zero(warm, data_dir, *strategy, f"--init_checkpoint={source}")
   assert "Warm start: model weights from" in proc.stderr
@@ -56,7 +72,7 @@ def test_warm_start_from_a_tfdist_checkpoint(tmp_path, data_dir, strategy):
 
 @pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
 def test_warm_start_from_keras_files_with_a_new_head(tmp_path, data_dir,
-                                                     suffix):
+                                                     suffix, fresh_start):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist import models  # pylint: disable=g-import-not-at-top
   model = models.build("mlp", input_shape=(8, 8, 1), num_classes=10)
@@ -69,13 +85,11 @@ def test_warm_start_from_keras_files_with_a_new_head(tmp_path, data_dir,
   # The last layer's name ("logits"): the CLI's paths do not carry the
   # model's name as a prefix.
   head = model.trainable_variables[-1].path.split("/")[-2]
-  fresh = tmp_path / "fresh"
-  _step_zero(fresh, data_dir)
   warm = tmp_path / "warm"
   proc = _step_zero(warm, data_dir, f"--init_checkpoint={path}",
                     f"--init_checkpoint_skip=(^|/){head}/")
   assert "but 2 variable(s) matching" in proc.stderr, proc.stderr
-  started, initial = _trainable(warm), _trainable(fresh)
+  started, initial = _trainable(warm), fresh_start
   for index, variable in enumerate(model.trainable_variables):
     expected = (initial[index] if f"/{head}/" in f"/{variable.path}"
                 else variable.numpy())
@@ -194,12 +208,20 @@ class NoTeacher(Distill):
 '''
 
 
-@pytest.fixture
-def loss_tasks(tmp_path):
-  outside = tmp_path / "user"
-  outside.mkdir()
+@pytest.fixture(scope="module")
+def loss_tasks(tmp_path_factory):
+  outside = tmp_path_factory.mktemp("user")
   (outside / "losstasks.py").write_text(_LOSS_TASKS)
   return outside
+
+
+@pytest.fixture(scope="module")
+def plain_weights(tmp_path_factory, data_dir, loss_tasks):
+  """The Plain task's weights on one device, which both strategies'
+  own losses must give."""
+  model_dir = tmp_path_factory.mktemp("plain") / "plain"
+  _task_run(model_dir, data_dir, loss_tasks, "Plain")
+  return artifacts.model_weights(str(model_dir))
 
 
 def _task_run(model_dir, data_dir, outside, task, *extra):
@@ -210,9 +232,9 @@ def _task_run(model_dir, data_dir, outside, task, *extra):
 
 @pytest.mark.parametrize("strategy", [[], MIRRORED], ids=["default",
                                                           "mirrored"])
-def test_a_tasks_own_loss(tmp_path, data_dir, loss_tasks, strategy):
-  _task_run(tmp_path / "plain", data_dir, loss_tasks, "Plain")
-  plain = artifacts.model_weights(str(tmp_path / "plain"))
+def test_a_tasks_own_loss(tmp_path, data_dir, loss_tasks, strategy,
+                         plain_weights):
+  plain = plain_weights
   for task in ("OwnLoss", "NoTeacher"):
     _task_run(tmp_path / task, data_dir, loss_tasks, task, *strategy)
     artifacts.assert_weights_close(
@@ -233,10 +255,23 @@ def _ema_run(model_dir, data_dir, *extra):
                         "--keep_checkpoints=5", "--export", *extra))
 
 
+@pytest.fixture(scope="module")
+def plain_ema_reference(tmp_path_factory, data_dir):
+  """The same 2 steps without an average: (the raw weights at step 2,
+  their final evals)."""
+  plain = tmp_path_factory.mktemp("noema") / "plain"
+  _ema_run(plain, data_dir, "--train_steps=2", "--eval_every=1")
+  raw = artifacts.variables_by_name(str(plain / "ckpt-2"))
+  evals = _final_evals(run_cli(*_args(plain, data_dir,
+                                      "--mode=eval")).stdout)
+  return raw, evals
+
+
 @pytest.mark.parametrize("strategy", [[], MIRRORED], ids=["default",
                                                           "mirrored"])
 def test_ema_is_kept_saved_and_used_for_eval_and_export(tmp_path, data_dir,
-                                                        strategy):
+                                                        strategy,
+                                                        plain_ema_reference):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   averaged = tmp_path / "ema"
@@ -253,15 +288,11 @@ def test_ema_is_kept_saved_and_used_for_eval_and_export(tmp_path, data_dir,
         0.25 * first[name] + 0.75 * second[name], rtol=1e-5, atol=1e-7)
   # Training steps with the raw weights: the same as without the average
   # (the swap for the eval at step 1 put them back).
-  plain = tmp_path / "plain"
-  _ema_run(plain, data_dir, "--train_steps=2", "--eval_every=1")
-  raw = artifacts.variables_by_name(str(plain / "ckpt-2"))
+  raw, plain_evals = plain_ema_reference
   for name in names:
     np.testing.assert_allclose(second[name], raw[name], rtol=1e-5,
                                atol=1e-7)
   # Eval and the export use the average, not the raw weights.
-  plain_evals = _final_evals(run_cli(*_args(plain, data_dir,
-                                               "--mode=eval")).stdout)
   assert _final_evals(ema.stdout) != pytest.approx(plain_evals,
                                                       abs=1e-4)
   again = run_cli(*_args(averaged, data_dir, *strategy, "--mode=eval",

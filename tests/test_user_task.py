@@ -1,7 +1,7 @@
-"""A user's own model and data (tests/user_regression.py): through --task,
-through --model/--dataset from a directory outside the repository, on
-default, mirrored and multi-worker; the same weights everywhere; and every
-bad-input case in one line."""
+"""A user's own model and data (tests/user_regression.py), from a
+directory outside the repository: the exact eval, a task's own pipeline,
+gradient accumulation, and every bad-input case in one line. Both forms on
+every strategy, with the same weights, are in tests/test_off_path.py."""
 
 import subprocess
 import sys
@@ -33,50 +33,6 @@ def _run(cwd, args, module="tfdist.train", timeout=300, prefix=()):
                         timeout=timeout)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc
-
-
-def test_task_gives_same_weights_on_default_mirrored_and_mwms(outside):
-  task = ["--task=mymod:RegressionTask", *COMMON]
-  runs = {}
-  for name, extra, module in [
-      ("default", ["--strategy=default"], "tfdist.train"),
-      ("mirrored", ["--strategy=mirrored", "--num_cpu_devices=2"],
-       "tfdist.train"),
-      ("mwms", [], None)]:
-    model_dir = str(outside / name)
-    if module:
-      _run(outside, [*task, *extra, f"--model_dir={model_dir}"], module)
-    else:
-      _run(outside, ["--workers=2", "--", *task,
-                     "--strategy=multi_worker_mirrored",
-                     f"--model_dir={model_dir}"], "tfdist.launch.local")
-    assert artifacts.checkpoint_step(model_dir) == 20
-    runs[name] = artifacts.model_weights(model_dir)
-  # The embedding really trained (its table is among the checkpoint's).
-  assert len(runs["default"]) >= 8
-  for name in ("mirrored", "mwms"):
-    artifacts.assert_weights_close(runs[name], runs["default"], rtol=1e-5)
-
-
-def test_model_and_dataset_functions_from_outside_the_repository(outside):
-  """A compiled model brings its own loss (mse) and metric (mae)."""
-  user = ["--model=mymod:build", "--dataset=mymod:data", *COMMON]
-  default = _run(outside, [*user, f"--model_dir={outside / 'd'}"])
-  assert "eval mae " in default.stdout
-  tags = artifacts.summary_tags(str(outside / "d" / "eval"))
-  assert {"loss", "mae"} <= tags
-  _run(outside, [*user, "--strategy=mirrored", "--num_cpu_devices=2",
-                 f"--model_dir={outside / 'm'}"])
-  _run(outside, ["--workers=2", "--", *user, f"--model_dir={outside / 'w'}"],
-       "tfdist.launch.local")
-  expected = artifacts.model_weights(str(outside / "d"))
-  for other in ("m", "w"):
-    artifacts.assert_weights_close(artifacts.model_weights(
-        str(outside / other)), expected, rtol=1e-5)
-  # The loss is the compiled mse, not classification: regression targets
-  # are floats, which sparse cross-entropy would reject.
-  loss = float(default.stdout.split("eval loss ")[1].split()[0])
-  assert 0 < loss < 50
 
 
 def test_eval_reports_the_exact_mean_over_the_eval_split(outside):

@@ -1,0 +1,192 @@
+"""Checks tfdist.collectives and tfdist.sharded_optimizer on one real
+strategy, several cases in one process, and prints one line per case.
+
+python tests/strategy_checks.py mirrored N CASE...     # N logical CPUs
+python tests/strategy_checks.py multi_worker CASE...   # under a TF_CONFIG
+
+CASE is `collectives` or `sharded:OPTIMIZER:CLIP_NORM`. One process runs
+every case of a strategy: the logical CPUs are fixed at start-up, and a
+process holds one MultiWorkerMirroredStrategy.
+
+collectives: every replica holds its own random float32 vector of an odd
+length (so the last shard is padded). The shard each replica gets from
+reduce_scatter must be its rank's slice of the all-reduced sum, and the
+all-gather of the shards must be that whole sum, on every replica.
+
+sharded: the same small model and batches train 8 steps on one device
+(Keras's own apply) and with the sharded update on N replicas; the
+weights, and every slot of each shard this process holds, must agree with
+one device's (rtol 1e-5), while each replica holds 1/N of the state.
+"""
+
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+LENGTH = 1001
+BATCH, STEPS = 32, 8
+
+
+def make_strategy(kind, replicas):
+  """Before any other op runs (MultiWorkerMirrored needs it)."""
+  if kind == "multi_worker":
+    return tf.distribute.MultiWorkerMirroredStrategy()
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  tf.config.set_logical_device_configuration(
+      cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+  from tfdist import collectives  # pylint: disable=g-import-not-at-top
+  return collectives.mirrored_with_collectives(
+      [f"/cpu:{i}" for i in range(replicas)])
+
+
+def check_collectives(strategy):
+  from tfdist import collectives  # pylint: disable=g-import-not-at-top
+  shards = collectives.ShardCollectives(strategy, length=LENGTH)
+
+  @tf.function
+  def check():
+    def replica_fn():
+      context = tf.distribute.get_replica_context()
+      mine = tf.random.stateless_normal(
+          [LENGTH], seed=[7, context.replica_id_in_sync_group])
+      total = context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+      shard = shards.reduce_scatter(mine)
+      rank = shards.rank()
+      padded = tf.pad(total, [[0, shards.shard_size * shards.num_shards -
+                               LENGTH]])
+      expected = tf.reshape(padded, [shards.num_shards, -1])[rank]
+      return (tf.reduce_max(tf.abs(shard - expected)),
+              tf.reduce_max(tf.abs(shards.all_gather(shard) - total)),
+              rank)
+    return strategy.run(replica_fn)
+
+  shard_error, gather_error, ranks = (
+      strategy.experimental_local_results(x) for x in check())
+  worst = max(float(np.max(e)) for e in (*shard_error, *gather_error))
+  assert worst < 1e-5, f"max error {worst}"
+  print(f"collectives ok: {shards.num_shards} replicas, shard_size "
+        f"{shards.shard_size}, ranks {[int(r) for r in ranks]}, max error "
+        f"{worst:.2g}", flush=True)
+
+
+def _model():
+  import keras  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(1)
+  return keras.Sequential([keras.Input((8,)),
+                           keras.layers.Dense(17, activation="relu"),
+                           keras.layers.Dense(3)])
+
+
+def _optimizer_factory(name):
+  from tfdist import optimizers  # pylint: disable=g-import-not-at-top
+  schedule = dict(schedule="cosine", learning_rate=0.02, warmup_steps=2,
+                  decay_steps=6, end_learning_rate=0.0)
+  return lambda: optimizers.create(
+      name, schedule=schedule,
+      weight_decay=0.01 if name == "adamw" else 0.0)
+
+
+def _loss_fn():
+  import keras  # pylint: disable=g-import-not-at-top
+  return keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                    reduction="none")
+
+
+def _batches():
+  rng = np.random.RandomState(0)
+  return (rng.randn(STEPS, BATCH, 8).astype("float32"),
+          rng.randint(0, 3, (STEPS, BATCH)))
+
+
+def _one_device(make_optimizer, clip):
+  """Keras's own update, clipped after the sum as tfdist does: the
+  weights and the optimizer."""
+  features, labels = _batches()
+  loss_fn = _loss_fn()
+  model, optimizer = _model(), make_optimizer()
+  optimizer.build(model.trainable_variables)
+  for k in range(STEPS):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(loss_fn(labels[k], model(features[k])))
+    grads = tape.gradient(loss, model.trainable_variables)
+    if clip:
+      grads, _ = tf.clip_by_global_norm(grads, clip)
+    optimizer.apply(grads, model.trainable_variables)
+  return [v.numpy() for v in model.trainable_variables], optimizer
+
+
+def _train_sharded(strategy, make_optimizer, clip):
+  from tfdist import sharded_optimizer  # pylint: disable=g-import-not-at-top
+  features, labels = _batches()
+  loss_fn = _loss_fn()
+  replicas = strategy.num_replicas_in_sync
+  with strategy.scope():
+    model = _model()
+  update = sharded_optimizer.ShardedUpdate(
+      strategy=strategy, variables=model.trainable_variables,
+      make_optimizer=make_optimizer, clip_norm=clip)
+
+  @tf.function
+  def step(x, y):
+    def replica_fn(x, y):
+      with tf.GradientTape() as tape:
+        loss = tf.nn.compute_average_loss(loss_fn(y, model(x)),
+                                          global_batch_size=BATCH)
+      update.apply(tape.gradient(loss, model.trainable_variables))
+      return loss
+    share = BATCH // replicas
+    inputs = strategy.experimental_distribute_values_from_function(
+        lambda c: (x[c.replica_id_in_sync_group * share:][:share],
+                   y[c.replica_id_in_sync_group * share:][:share]))
+    return strategy.run(replica_fn, args=inputs)
+
+  for k in range(STEPS):
+    step(tf.constant(features[k]), tf.constant(labels[k]))
+  return model, update
+
+
+def check_sharded(strategy, name, clip):
+  from tfdist import sharded_optimizer  # pylint: disable=g-import-not-at-top
+  make_optimizer = _optimizer_factory(name)
+  reference, optimizer = _one_device(make_optimizer, clip)
+  reference_slots = sharded_optimizer.slots(optimizer)
+  model, update = _train_sharded(strategy, make_optimizer, clip)
+  for got, want in zip(model.trainable_variables, reference):
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+  replicas = strategy.num_replicas_in_sync
+  slots_per_variable = len(reference_slots) // len(reference)
+  for index in range(slots_per_variable):
+    # Keras keeps each variable's slots together: [m0, v0, m1, v1, ...].
+    flat_slot = np.concatenate([s.numpy().ravel() for s in
+                                reference_slots[index::slots_per_variable]])
+    flat_slot = np.pad(flat_slot,
+                       [0, update.shard_size * replicas - flat_slot.size])
+    for rank, shard_optimizer in zip(update.ranks(), update.optimizers):
+      np.testing.assert_allclose(
+          sharded_optimizer.slots(shard_optimizer)[index].numpy(),
+          flat_slot[rank * update.shard_size:][:update.shard_size],
+          rtol=1e-5, atol=1e-7)
+  state = sum(v.numpy().nbytes for v in sharded_optimizer.slots(
+      update.optimizers[0]))
+  whole = sum(v.numpy().nbytes for v in reference_slots)
+  print(f"sharded ok: {replicas} replicas, {name}, clip {clip:g}, "
+        f"{slots_per_variable} slot(s), state per replica {state} of "
+        f"{whole} bytes", flush=True)
+
+
+def main(argv):
+  kind = argv[0]
+  replicas = int(argv[1]) if kind == "mirrored" else 0
+  cases = argv[2:] if kind == "mirrored" else argv[1:]
+  strategy = make_strategy(kind, replicas)
+  for case in cases:
+    if case == "collectives":
+      check_collectives(strategy)
+    else:
+      _, name, clip = case.split(":")
+      check_sharded(strategy, name, float(clip))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
