@@ -55,6 +55,15 @@ def run_cli(*args, timeout=300, env=None, check=True):
 
 
 @pytest.fixture(scope="session")
+def two_cpu_strategy():
+  """The process's one MirroredStrategy over /cpu:0 and /cpu:1. In-process
+  tests share it: a second such strategy reuses the first one's collective
+  instance keys, and its all-reduce fails (InternalError) once the first
+  has run one (pytest-xdist puts any test files in one process)."""
+  return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+@pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
   """digits prepared once for the whole session, through the CLI path."""
   path = str(tmp_path_factory.mktemp("tfds"))

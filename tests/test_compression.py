@@ -16,16 +16,6 @@ from tfdist import compression
 SHAPES = [(64, 32), (3, 3, 4, 8), (32,), (100, 10)]
 
 
-_STRATEGY = []
-
-
-def _strategy():
-  # One strategy per process: a second one reuses collective instance keys.
-  if not _STRATEGY:
-    _STRATEGY.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
-  return _STRATEGY[0]
-
-
 def _replica_grads(step, shapes=SHAPES):
   """Different gradients on each replica and at each step."""
   def grads(replica):
@@ -59,8 +49,8 @@ def _reducer(strategy, rank, min_ratio=2.0):
                                        min_ratio=min_ratio)
 
 
-def test_full_rank_equals_the_plain_all_reduce():
-  strategy = _strategy()
+def test_full_rank_equals_the_plain_all_reduce(two_cpu_strategy):
+  strategy = two_cpu_strategy
   # min_ratio=0 compresses every matrix, even where that sends more.
   reducer = _reducer(strategy, rank=1000, min_ratio=0)
   assert reducer.compressed_indices == [0, 1, 3]
@@ -69,10 +59,10 @@ def test_full_rank_equals_the_plain_all_reduce():
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_error_feedback_keeps_what_was_not_sent():
+def test_error_feedback_keeps_what_was_not_sent(two_cpu_strategy):
   """Over K steps, what was sent plus what the replicas still hold in their
   error buffers is exactly the sum of all gradients."""
-  strategy = _strategy()
+  strategy = two_cpu_strategy
   reducer = _reducer(strategy, rank=1)
   steps = _run_steps(strategy, reducer, steps=4)
   for i in reducer.compressed_indices:
@@ -88,8 +78,8 @@ def test_error_feedback_keeps_what_was_not_sent():
     np.testing.assert_allclose(reduced[2], plain[2], rtol=1e-6)
 
 
-def test_reset_clears_errors_and_restarts_q():
-  strategy = _strategy()
+def test_reset_clears_errors_and_restarts_q(two_cpu_strategy):
+  strategy = two_cpu_strategy
   reducer = _reducer(strategy, rank=2)
   first = _run_steps(strategy, reducer, steps=1)
   _run_steps(strategy, reducer, steps=2)
@@ -103,10 +93,10 @@ def test_reset_clears_errors_and_restarts_q():
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def test_warm_start_converges_to_the_top_singular_pair():
+def test_warm_start_converges_to_the_top_singular_pair(two_cpu_strategy):
   """The same rank-2 gradient every step: Q carried over makes it a power
   iteration, so the rank-1 message converges to sigma_1 u_1 v_1^T."""
-  strategy = _strategy()
+  strategy = two_cpu_strategy
   u = np.linalg.qr(np.random.default_rng(0).normal(size=(64, 2)))[0]
   v = np.linalg.qr(np.random.default_rng(1).normal(size=(32, 2)))[0]
   gradient = (u * [3.0, 1.0]) @ v.T

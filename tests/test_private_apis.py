@@ -21,14 +21,9 @@ from conftest import ROOT
 VERSIONS = f"TensorFlow {tf.__version__}, Keras {keras.__version__}"
 
 
-def _mirrored(count=2):
-  return tf.distribute.MirroredStrategy(
-      [f"/cpu:{i}" for i in range(count)])
-
-
-def test_replica_id_in_sync_group_is_a_python_int():
+def test_replica_id_in_sync_group_is_a_python_int(two_cpu_strategy):
   """collectives and sharded_optimizer index Python lists with it."""
-  strategy = _mirrored()
+  strategy = two_cpu_strategy
 
   def replica_fn():
     context = tf.distribute.get_replica_context()
@@ -91,12 +86,13 @@ def test_keras_lays_out_slots_variable_after_variable(name):
       (3,)] * len(sharded_optimizer.slots(built)), VERSIONS
 
 
-def test_apply_gradients_reduces_through_the_hook_compression_replaces():
+def test_apply_gradients_reduces_through_the_hook_compression_replaces(
+    two_cpu_strategy):
   """Keras 3's apply_gradients all-reduces by itself, through
   _all_reduce_sum_gradients; compression replaces that reduction. If the
   hook were gone or unused, gradients would be reduced twice."""
   from tfdist import compression  # pylint: disable=g-import-not-at-top
-  strategy = _mirrored()
+  strategy = two_cpu_strategy
   with strategy.scope():
     variable = keras.Variable(tf.zeros([2]))
     optimizer = compression.take_over_reduction(

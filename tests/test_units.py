@@ -359,11 +359,11 @@ def test_a_replace_cut_short_anywhere_is_finished_whole(tmp_path,
   assert finished and cut > 8  # Every step of the replace was cut once.
 
 
-def test_replica_check_takes_the_same_nan_for_agreement():
+def test_replica_check_takes_the_same_nan_for_agreement(two_cpu_strategy):
   """Identical NaN replicas agree (the NaN-loss check names the step);
   a NaN on one replica only, or another value, is divergence."""
   from tfdist import replica_check  # pylint: disable=g-import-not-at-top
-  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  strategy = two_cpu_strategy
   with strategy.scope():
     variable = tf.Variable([1.0, float("nan")], name="w")
   checker = replica_check.ReplicaChecker(
