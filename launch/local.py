@@ -34,28 +34,14 @@ def parse_args(argv):
                       help="Run the tasks in a private network namespace, "
                       "so their gRPC ports are reachable from nowhere else "
                       "(needs root). auto: when possible (default).")
-  parser.add_argument("--spares", default="auto",
-                      help="Warm spare processes (TensorFlow and tfdist "
-                      "imported, waiting) that a restart, a preemption "
-                      "resume or a membership change hands its tasks to, "
-                      "saving each task's import. A number, or auto: one "
-                      "per task when the job can restart (--max_restarts "
-                      "> 0 or --workers=MIN:MAX), else none (default).")
+  spare.add_argument(parser)
   core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
   core.finish_args(parser, args)
-  args.spare_count = _spare_count(parser, args)
+  # Per task: every task is on this machine.
+  args.spare_count = spare.count_from(parser, args) * sum(
+      args.cluster.counts().values())
   return args
-
-
-def _spare_count(parser, args):
-  if args.spares == "auto":
-    restarts = args.max_restarts > 0 or args.cluster.elastic
-    return sum(args.cluster.counts().values()) if restarts else 0
-  if not args.spares.isdigit():
-    parser.error(f"--spares must be auto or a number >= 0. Received: "
-                 f"{args.spares}")
-  return int(args.spares)
 
 
 def discover_slots(command, log):
@@ -97,8 +83,9 @@ def main(argv=None):
       discover = lambda: discover_slots(args.host_discovery, log)  # pylint: disable=unnecessary-lambda-assignment
     python = [sys.executable] if network is None else network.wrap(
         [sys.executable])
-    spares = (spare.Spares(prefix=python, count=args.spare_count,
-                           start_process=processes.start_spare)
+    spares = (spare.Spares(command=[*python, "-m", spare.MODULE],
+                           count=args.spare_count,
+                           start_process=processes.start_spare, log=log)
               if args.spare_count else None)
     code = core.Launcher(
         args, make_tasks=lambda a: local_tasks(a, network),

@@ -54,24 +54,13 @@ def start_local(argv, env):
       preexec_fn=_die_with_parent)
 
 
-# A waiting spare's nice value (launch.spare), so that its import yields
-# to the job's own tasks. Only where it can be undone at hand-off: root.
-SPARE_NICENESS = 19
-
-
-def _nice_spare():
-  _die_with_parent()
-  if os.geteuid() == 0:
-    os.setpriority(os.PRIO_PROCESS, 0, SPARE_NICENESS)
-
-
 def start_spare(argv, env):
   """A warm spare (launch.spare): as start_local, with its stdin piped
-  for its order, and nicer while it waits where that can be undone."""
+  for its order."""
   return subprocess.Popen(
       argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
       stdin=subprocess.PIPE, start_new_session=True,
-      preexec_fn=_nice_spare)
+      preexec_fn=_die_with_parent)
 
 
 class _Task:

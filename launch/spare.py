@@ -14,13 +14,22 @@ spare, which saves the import (about 3.5 s per process here, most of a
 task's start) and is replaced in the background. Spares are spawned
 (never forked from a process that started TF), and die with the
 launcher.
+
+On another host (launch.ssh) a spare runs over `ssh -T`: its order adds
+to that host's environment rather than replacing it with the launcher's,
+and, as a task, it takes the end of its stdin (the ssh session closed)
+for the hangup a tty would have given it: SIGHUP to its process group.
+A spare handed its order while still importing goes on at nice 0.
 """
 
 import json
 import os
+import queue
 import runpy
+import signal
 import sys
 import tempfile
+import threading
 
 from absl import flags
 
@@ -42,9 +51,19 @@ def _import_warm_modules():
       __import__(name)
 
 
+# A waiting spare's nice value, so that its import yields to the job's own
+# tasks. Only where it can be undone at hand-off: root.
+SPARE_NICENESS = 19
+
+
+def _be_nice_while_waiting():
+  if os.geteuid() == 0:
+    os.setpriority(os.PRIO_PROCESS, 0, SPARE_NICENESS)
+
+
 def _undo_niceness():
   """Back to nice 0, every thread (Linux's nice is per thread): the task
-  must not yield to others. Only root was made nicer (processes.py)."""
+  must not yield to others. Only root was made nicer."""
   if os.getpriority(os.PRIO_PROCESS, 0) <= 0:
     return
   for tid in os.listdir("/proc/self/task"):
@@ -54,22 +73,47 @@ def _undo_niceness():
       pass
 
 
+def _read_order(orders):
+  """In a thread: the order line from stdin, put on `orders`. A task
+  handed to a spare still importing is no longer nice: it is the job's
+  now. End of stdin before an order: the launcher ended or no longer
+  needs this spare, and it exits at once. A remote task's stdin then is
+  its session: at its end, SIGHUP to the task's process group (sshd made
+  it a session of its own), as the tty of a task started over `ssh -tt`
+  would send. os.read, not sys.stdin: a thread blocked in a buffered read
+  holds its lock, and the interpreter's exit would abort on it."""
+  data = b""
+  while b"\n" not in data:
+    chunk = os.read(0, 4096)
+    if not chunk:
+      os._exit(0)  # pylint: disable=protected-access
+    data += chunk
+  order = json.loads(data.split(b"\n", 1)[0])
+  _undo_niceness()
+  orders.put(order)
+  if order.get("remote"):
+    while os.read(0, 4096):
+      pass
+    os.killpg(0, signal.SIGHUP)
+
+
 def _take_order(order):
   """Becomes the task: its environment, then its module as __main__."""
-  os.environ.clear()
+  if not order.get("remote"):
+    os.environ.clear()
   os.environ.update(order["env"])
   tempfile.tempdir = None  # TMPDIR is the task's now.
-  _undo_niceness()
   sys.argv = [order["module"], *order["args"]]
   runpy.run_module(order["module"], run_name="__main__", alter_sys=True)
 
 
 def main():
+  _be_nice_while_waiting()
+  orders = queue.Queue()
+  threading.Thread(target=_read_order, args=(orders,), name="spare-order",
+                   daemon=True).start()
   _import_warm_modules()
-  line = sys.stdin.readline()
-  if not line:
-    return  # The launcher ended, or no longer needs this spare.
-  _take_order(json.loads(line))
+  _take_order(orders.get())
 
 
 def _split_module_command(argv):
@@ -95,58 +139,112 @@ def _wants_native_logs(args):
   return wanted.native_logs or wanted.verbosity >= 1
 
 
-class Spares:
-  """Keeps `count` spares of the command `prefix + ['-m', 'launch.spare']`
-  (prefix: the interpreter, behind `ip netns exec` where the tasks run
-  in a namespace). `start(env)` makes them; `take(argv, env)` hands a
-  task's command to one, or returns None when none fits."""
+# As the launcher itself was imported: launch.spare in a checkout,
+# tfdist.launch.spare where tfdist is installed.
+MODULE = __spec__.name if __spec__ else "launch.spare"
+# On another host, the installed name, as a cold task's tfdist.train.
+REMOTE_MODULE = "tfdist.launch.spare"
 
-  def __init__(self, *, prefix, count, start_process):
+
+def add_argument(parser):
+  """--spares, for a launcher that keeps warm spares."""
+  parser.add_argument(
+      "--spares", default="auto",
+      help="Warm spare processes (TensorFlow and tfdist imported, waiting) "
+      "that a restart, a preemption resume or a membership change hands "
+      "its tasks to, saving each task's import. A number per task, on the "
+      "task's host, or auto: one per task when the job can restart "
+      "(--max_restarts > 0 or --workers=MIN:MAX), else none (default).")
+
+
+def count_from(parser, args):
+  """--spares as a number per task (0: none)."""
+  if args.spares == "auto":
+    return int(args.max_restarts > 0 or args.cluster.elastic)
+  if not args.spares.isdigit():
+    parser.error(f"--spares must be auto or a number >= 0. Received: "
+                 f"{args.spares}")
+  return int(args.spares)
+
+
+class Spares:
+  """Keeps `count` spares, each `start_process(command, env)` (a Popen-like
+  process with stdin piped; `command` runs `python -m launch.spare`, behind
+  `ip netns exec` or ssh where the tasks run there). `start(env)` makes
+  them; `hand(module=, args=, env=)` gives a task to one. `remote`: the
+  spares run on another host (module docstring)."""
+
+  def __init__(self, *, command, count, start_process, remote=False,
+               log=lambda message: None):
     if count < 0:
       raise ValueError(f"Spares: count must be >= 0. Received: {count}")
-    self._prefix = list(prefix)
+    self._command = list(command)
     self._count = count
-    # start_process(argv, env) -> a Popen with stdin and stdout piped.
     self._start_process = start_process
+    self._remote = remote
+    self._log = log
     self._env = None
     self._waiting = []
 
   def start(self, env):
     """Starts the spares, with the environment the tasks share."""
     self._env = dict(env)
-    while len(self._waiting) < self._count:
+    self._fill()
+
+  def _fill(self):
+    while self._env is not None and len(self._waiting) < self._count:
       self._waiting.append(self._start_one())
 
+  def grow_to(self, count):
+    """Keeps at least `count` spares from now on (a host that runs more
+    tasks than before); the new ones start at once if started."""
+    self._count = max(self._count, count)
+    self._fill()
+
   def _start_one(self):
-    return self._start_process([*self._prefix, "-m", "launch.spare"],
-                               self._env)
+    return self._start_process(self._command, self._env)
 
   @property
   def pids(self):
     return [process.pid for process in self._waiting]
 
   def take(self, argv, env):
-    """A waiting spare, now running `argv` with `env` (the task's whole
-    environment); a new spare starts in its place. None when no spare
-    waits, or `argv` runs something else than `prefix -m module`."""
+    """A local task's command `argv` (`python -m module args`, with the
+    spares' own python and prefix) handed to a spare; None when `argv`
+    runs something else."""
     split = _split_module_command(argv)
-    if split is None or split[0] != self._prefix or _wants_native_logs(
-        split[2]):
+    if split is None or [*split[0], "-m", MODULE] != self._command:
       return None
-    while self._waiting:
-      process = self._waiting.pop(0)
-      if process.poll() is not None:
-        continue  # It died waiting (the OOM killer): not for a task.
-      order = json.dumps({"module": split[1], "args": split[2],
-                          "env": dict(env)})
-      try:
-        process.stdin.write((order + "\n").encode())
-        process.stdin.close()
-      except OSError:
-        continue
-      self._waiting.append(self._start_one())
-      return process
-    return None
+    return self.hand(module=split[1], args=split[2], env=env)
+
+  def hand(self, *, module, args, env):
+    """A waiting spare, now running `module` with `args` and `env` (a
+    local task's whole environment; a remote task's own variables); a new
+    spare starts in its place. None when no spare waits, or the task asks
+    for TF's native logs."""
+    if _wants_native_logs(args):
+      return None
+    order = json.dumps({"module": module, "args": list(args),
+                        "env": dict(env), "remote": self._remote})
+    try:
+      while self._waiting:
+        process = self._waiting.pop(0)
+        if process.poll() is not None:
+          # The OOM killer, a lost host, a python without tfdist.
+          self._log(f"warm spare pid={process.pid} had exited (code "
+                    f"{process.poll()}) before it was needed")
+          continue
+        try:
+          process.stdin.write((order + "\n").encode())
+          process.stdin.flush()
+          if not self._remote:  # A remote task's stdin is its session.
+            process.stdin.close()
+        except OSError:
+          continue
+        return process
+      return None
+    finally:
+      self._fill()  # New spares in the places taken.
 
   def close(self):
     """Ends the waiting spares (EOF on stdin, then SIGKILL)."""

@@ -3,7 +3,8 @@ TF_CONFIG, output prefixed with `role:index`.
 
 python -m launch.ssh --hosts=h1,h2[,...] [--chief] [--workers=N] [--ps=M]
     [--evaluator] [--port=2222] [--ssh_args='-p 22 -i KEY'] [--workdir=DIR]
-    [--python=python] [--max_restarts=K] -- <tfdist.train flags>
+    [--python=python] [--max_restarts=K] [--spares=auto|N]
+    -- <tfdist.train flags>
 python -m launch.ssh --workers=MIN:MAX --host_discovery=SCRIPT
     [--hosts=CHIEF,PS...] ... -- <tfdist.train flags>
 
@@ -19,6 +20,11 @@ brings that code back. (Killing the local ssh would give the remote task
 SIGHUP, and its output nowhere to go.) Failures restart the job by the
 shared policy of launch.core.
 
+Warm spares (--spares, auto: one per task when the job can restart):
+spares (launch.spare) wait on each host the tasks run on, over `ssh -T`,
+and a restart, preemption resume or membership change hands the tasks of
+that host to them; new ones start in their places.
+
 Elastic (--workers=MIN:MAX): the workers' hosts are the worker part of
 --hosts, or, with --host_discovery, the 'host:slots' lines the script
 prints (--hosts then lists only the chief, ps and evaluator hosts). A
@@ -26,6 +32,7 @@ worker dropped for good gives up its slot until discovery offers it again.
 """
 
 import argparse
+import collections
 import dataclasses
 import os
 import shlex
@@ -36,6 +43,7 @@ import sys
 from . import core
 from . import description
 from . import processes
+from . import spare
 from tfdist import cluster
 
 
@@ -55,6 +63,7 @@ def parse_args(argv):
                       help="Remote directory to run in.")
   parser.add_argument("--python", default="python",
                       help="Remote Python that has tfdist installed.")
+  spare.add_argument(parser)
   core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
   hosts = [h for h in args.hosts.split(",") if h]
@@ -62,6 +71,7 @@ def parse_args(argv):
   if args.workers is None:
     args.workers = len(hosts) - others
   core.finish_args(parser, args)
+  args.spares_per_task = spare.count_from(parser, args)
   try:
     args.worker_hosts, args.role_hosts = _split_hosts(args, hosts)
     if not args.host_discovery:
@@ -158,12 +168,18 @@ def _role_addresses(desc, hosts, port):
 _PID_LINE = "tfdist-remote-pid "
 
 
+def _remote_line(args, env, module, module_args=()):
+  """The shell line that runs `python -m module` on a remote host: in
+  --workdir, after the pid line (exec: the shell's pid is the task's)."""
+  variables = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+  rest = " ".join(shlex.quote(a) for a in module_args)
+  return (f"cd {shlex.quote(args.workdir)} && echo {_PID_LINE}$$ && "
+          f"{variables} exec {shlex.quote(args.python)} -m {module} {rest}")
+
+
 def remote_command(args, spec):
   """The shell line run on the remote host for one task."""
-  env = " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env.items())
-  train = " ".join(shlex.quote(a) for a in args.train_args)
-  return (f"cd {shlex.quote(args.workdir)} && echo {_PID_LINE}$$ && "
-          f"{env} exec {shlex.quote(args.python)} -m {args.module} {train}")
+  return _remote_line(args, spec.env, args.module, args.train_args)
 
 
 class RemoteProcess:
@@ -190,11 +206,17 @@ class RemoteProcess:
   def returncode(self):
     return self._local.returncode
 
+  @property
+  def stdin(self):
+    return self._local.stdin  # A spare's: its order, then its session.
+
   def poll(self):
     return self._local.poll()
 
   def wait(self, timeout=None):
     code = self._local.wait(timeout=timeout)
+    if self._local.stdin:
+      self._local.stdin.close()
     for signaller in self._signallers:  # A host gone may never answer.
       try:
         signaller.wait(timeout=10)
@@ -221,29 +243,106 @@ class RemoteProcess:
     self._local.kill()
 
 
-def spawn(args):
-  """Job's spawn for ssh tasks: RemoteProcess around each local ssh."""
-  prefix = ["ssh", *shlex.split(args.ssh_args)]
+def _ssh_prefix(args):
+  return ["ssh", *shlex.split(args.ssh_args)]
 
+
+# A waiting spare's connection: ssh ends within 15 s when the host is
+# gone (then the spare is not handed a task), where TCP would take
+# minutes. The user's --ssh_args come first and win.
+_SPARE_KEEPALIVE = ["-o", "ServerAliveInterval=5", "-o",
+                    "ServerAliveCountMax=3"]
+
+
+def spare_command(args, host):
+  """A warm spare on `host`, over ssh without a tty (its stdin carries
+  the order); unbuffered, as its output is a pipe."""
+  return ["ssh", "-T", *shlex.split(args.ssh_args), *_SPARE_KEEPALIVE,
+          host, _remote_line(args, {"PYTHONUNBUFFERED": "1"},
+                             spare.REMOTE_MODULE)]
+
+
+class HostSpares:
+  """A launch.spare.Spares on every host tasks run on: `per_task` spares
+  for each task the host has run at once, started with `start()` after
+  the first attempt's tasks, or at once on a host first seen later."""
+
+  def __init__(self, args, *, per_task, log):
+    self._args = args
+    self._per_task = per_task
+    self._log = log
+    self._pools = {}
+    self._env = None
+
+  def _pool(self, host):
+    if host not in self._pools:
+      def start_process(command, env):
+        return RemoteProcess(processes.start_spare(command, env),
+                             _ssh_prefix(self._args), host)
+      self._pools[host] = spare.Spares(
+          command=spare_command(self._args, host), count=0,
+          start_process=start_process, remote=True, log=self._log)
+      if self._env is not None:
+        self._pools[host].start(self._env)
+    return self._pools[host]
+
+  def plan(self, task_hosts):
+    """The hosts of an attempt's tasks, one entry per task."""
+    for host, tasks in collections.Counter(task_hosts).items():
+      self._pool(host).grow_to(self._per_task * tasks)
+
+  def start(self, env):
+    self._env = dict(env)
+    for pool in self._pools.values():
+      pool.start(self._env)
+
+  def hand(self, host, *, env):
+    """A spare on `host` running the job's module with `env` (the task's
+    own variables there), or None."""
+    return self._pool(host).hand(module=self._args.module,
+                                 args=self._args.train_args, env=env)
+
+  @property
+  def pids(self):
+    return [pid for pool in self._pools.values() for pid in pool.pids]
+
+  def close(self):
+    for pool in self._pools.values():
+      pool.close()
+
+
+def spawn(args, spares=None):
+  """Job's spawn for ssh tasks: a spare of its host (a HostSpares), else
+  RemoteProcess around a new local ssh."""
   def start(spec, env):
+    host = spec.address.rpartition(":")[0]
+    process = spares.hand(host, env=env) if spares else None
+    if process is not None:
+      process.warm = True
+      return process
     return RemoteProcess(
-        processes.start_local(spec.argv, {**os.environ, **env}), prefix,
-        spec.address.rpartition(":")[0])
+        processes.start_local(spec.argv, dict(os.environ)),
+        _ssh_prefix(args), host)
   return start
 
 
-def ssh_tasks(args, worker_hosts):
+def ssh_tasks(args, worker_hosts, spares=None):
   """The TaskSpecs of one attempt: args.cluster's workers on the first
-  hosts of `worker_hosts` (a WorkerHosts)."""
+  hosts of `worker_hosts` (a WorkerHosts); `spares` (a HostSpares)
+  learns the hosts."""
   roles = args.role_hosts
   hosts = (roles["chief"] + worker_hosts.take(args.cluster.workers) +
            roles["ps"] + roles["evaluator"])
+  if spares:
+    spares.plan(hosts)
   specs = description.task_commands(
       args.cluster, addresses=_role_addresses(args.cluster, hosts,
                                               args.port),
       module=args.module, train_args=args.train_args)
+  # env: the task's own variables on its host (a spare's order); a new
+  # ssh gets them on its command line.
   return [description.TaskSpec(
-      role=s.role, index=s.index, address=s.address, env={},
+      role=s.role, index=s.index, address=s.address, env=s.env,
       argv=["ssh", "-tt", *shlex.split(args.ssh_args),
             s.address.rpartition(":")[0], remote_command(args, s)])
           for s in specs]
@@ -257,11 +356,14 @@ def main(argv=None):
 
   hosts = WorkerHosts(args.worker_hosts, command=args.host_discovery,
                       min_workers=args.cluster.min_workers or 1, log=log)
+  spares = (HostSpares(args, per_task=args.spares_per_task, log=log)
+            if args.spares_per_task else None)
   sys.exit(core.Launcher(
-      args, make_tasks=lambda a: ssh_tasks(a, hosts),
+      args, make_tasks=lambda a: ssh_tasks(a, hosts, spares),
       discover=hosts.discover if args.host_discovery else None,
       discover_every_seconds=args.discovery_seconds,
-      drop_worker=hosts.drop, spawn=spawn(args)).run())
+      drop_worker=hosts.drop, spawn=spawn(args, spares),
+      spares=spares).run())
 
 
 if __name__ == "__main__":

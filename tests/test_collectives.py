@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 
 import portpicker
 import pytest
@@ -31,21 +33,34 @@ def _lines(proc, prefix):
   return [l for l in proc.stdout.splitlines() if l.startswith(prefix)]
 
 
-def _two_workers(argv):
+def _two_workers(argv, timeout=600):
   """Runs `argv` as two MultiWorkerMirrored processes (TF_CONFIG on
-  127.0.0.1); returns their CompletedProcesses."""
+  127.0.0.1); returns their CompletedProcesses. When one fails, the other
+  (left waiting in a collective) is killed a grace period later, and both
+  come back with what they printed."""
   ports = [portpicker.pick_unused_port() for _ in range(2)]
   workers = [f"127.0.0.1:{p}" for p in ports]
+  outputs = [tempfile.TemporaryFile(mode="w+") for _ in range(2)]
   procs = [subprocess.Popen(
-      argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True, env={**os.environ, "TF_CONFIG": json.dumps({
+      argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+      env={**os.environ, "TF_CONFIG": json.dumps({
           "cluster": {"worker": workers},
-          "task": {"type": "worker", "index": i}})}) for i in range(2)]
+          "task": {"type": "worker", "index": i}})})
+           for i, out in enumerate(outputs)]
+  deadline = time.monotonic() + timeout
+  while any(p.poll() is None for p in procs):
+    if any(p.poll() not in (None, 0) for p in procs):
+      deadline = min(deadline, time.monotonic() + 10)
+    if time.monotonic() > deadline:
+      for proc in procs:
+        proc.kill()
+    time.sleep(0.2)
   results = []
-  for proc in procs:
-    out, err = proc.communicate(timeout=300)
-    results.append(subprocess.CompletedProcess(proc.args, proc.returncode,
-                                               out, err))
+  for proc, out in zip(procs, outputs):
+    out.seek(0)
+    results.append(subprocess.CompletedProcess(proc.args, proc.wait(),
+                                               out.read(), ""))
+    out.close()
   return results
 
 
@@ -56,10 +71,14 @@ def mirrored_runs():
 
   def run(replicas):
     if replicas not in runs:
-      runs[replicas] = subprocess.run(
-          [sys.executable, CHECK, "mirrored", str(replicas),
-           *MIRRORED_CASES[replicas]],
-          cwd=ROOT, capture_output=True, text=True, timeout=300)
+      argv = [sys.executable, CHECK, "mirrored", str(replicas),
+              *MIRRORED_CASES[replicas]]
+      try:
+        runs[replicas] = subprocess.run(argv, cwd=ROOT, capture_output=True,
+                                        text=True, timeout=600)
+      except subprocess.TimeoutExpired as e:  # Fails each test once.
+        runs[replicas] = subprocess.CompletedProcess(
+            argv, -9, "", f"timed out after {e.timeout} s")
     return runs[replicas]
   return run
 

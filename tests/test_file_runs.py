@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -105,11 +106,19 @@ def test_one_host_trains_each_example_once_per_epoch_across_a_sigterm(
           "--checkpoint_every=1000", f"--model_dir={model_dir}"]
   first = subprocess.Popen(args, cwd=outside, env=env, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  # A run that hangs after its SIGTERM (what this test is for) is killed,
+  # and fails below, rather than holding the suite.
+  deadline = threading.Timer(300, first.kill)
+  deadline.start()
   lines = []
-  for line in first.stdout:
-    lines.append(line)
-    if f"train step 10/{steps}" in line:
-      first.send_signal(signal.SIGTERM)
+  try:
+    for line in first.stdout:
+      lines.append(line)
+      if f"train step 10/{steps}" in line:
+        first.send_signal(signal.SIGTERM)
+  finally:
+    deadline.cancel()
+    first.stdout.close()
   assert first.wait(timeout=120) == 42, "".join(lines[-40:])
   output = _run(outside, "tfdist.train", args[3:], env)
   resumed = int(re.search(r"Resumed from \S+ at step (\d+)", output).group(1))

@@ -17,6 +17,7 @@ import pytest
 
 import artifacts
 from conftest import ROOT
+from conftest import user_project
 from test_user_task import COMMON
 from test_user_task import _run
 from test_user_task import outside  # noqa: F401  (a fixture)
@@ -55,11 +56,11 @@ _STRATEGIES = {
     "default": ("tfdist.train", ["--strategy=default"]),
     "mirrored": ("tfdist.train", ["--strategy=mirrored",
                                   "--num_cpu_devices=2"]),
-    "mwms": ("tfdist.launch.local", ["--workers=2", "--"]),
+    "mwms": ("tfdist.launch.local", ["--workers=2", "--",
+                                     "--strategy=multi_worker_mirrored"]),
     "ps": ("tfdist.launch.local", ["--chief", "--workers=2", "--ps=1",
                                    "--", "--strategy=parameter_server"]),
 }
-_DEFAULT_WEIGHTS = {}
 
 
 def _check_default_run(form, stdout, model_dir):
@@ -77,33 +78,58 @@ def _check_default_run(form, stdout, model_dir):
   assert 0 < loss < 50
 
 
-@pytest.mark.parametrize("strategy", list(_STRATEGIES))
-@pytest.mark.parametrize("form", list(_USER_FORMS))
-def test_user_model_on_every_strategy_from_a_fresh_data_dir(
-    outside, tmp_path, form, strategy):
-  """Synchronous strategies give the default run's weights (rtol 1e-5);
-  asynchronous PS trains to the default run's loss, within 2x."""
+def _run_form(form, strategy, root):
+  """`form` on `strategy` from a module outside the repo with a fresh
+  data_dir; (its stdout and stderr, model_dir, final eval loss)."""
   module, launcher_args = _STRATEGIES[strategy]
-  model_dir = str(tmp_path / "run")
+  outside_dir = user_project(root, "user_regression.py", "mymod.py")
+  model_dir = str(root / "run")
   args = [*_USER_FORMS[form], *COMMON, "--train_steps=60",
-          f"--data_dir={tmp_path / 'fresh'}", f"--model_dir={model_dir}"]
-  proc = _run(outside, [*launcher_args, *args], module)
+          f"--data_dir={root / 'fresh'}", f"--model_dir={model_dir}"]
+  proc = _run(outside_dir, [*launcher_args, *args], module)
   assert artifacts.checkpoint_step(model_dir) == 60
   loss = float(re.search(r"Finished at step 60/60 .*eval loss ([0-9.]+)",
                          proc.stdout).group(1))
+  return proc.stdout + proc.stderr, model_dir, loss
+
+
+@pytest.fixture(scope="module")
+def default_runs(tmp_path_factory):
+  """form -> (weights, loss) of its default run, made once, checked."""
+  runs = {}
+
+  def run(form):
+    if form not in runs:
+      stdout, model_dir, loss = _run_form(
+          form, "default", tmp_path_factory.mktemp(f"default-{form}"))
+      _check_default_run(form, stdout, model_dir)
+      runs[form] = (artifacts.model_weights(model_dir), loss)
+    return runs[form]
+  return run
+
+
+@pytest.mark.parametrize("strategy", list(_STRATEGIES))
+@pytest.mark.parametrize("form", list(_USER_FORMS))
+def test_user_model_on_every_strategy_from_a_fresh_data_dir(
+    tmp_path, form, strategy, default_runs):
+  """Synchronous strategies give the default run's weights (rtol 1e-5);
+  asynchronous PS trains to the default run's loss, within 2x."""
+  expected, default_loss = default_runs(form)
   if strategy == "default":
-    _DEFAULT_WEIGHTS[form] = (artifacts.model_weights(model_dir), loss)
-    _check_default_run(form, proc.stdout, model_dir)
-    return
-  if form not in _DEFAULT_WEIGHTS:
-    pytest.skip("needs the default run of this form, which runs first")
-  expected, default_loss = _DEFAULT_WEIGHTS[form]
+    return  # default_runs checked it.
+  stdout, model_dir, loss = _run_form(form, strategy, tmp_path)
+  assert f"Strategy: {_strategy_logged(strategy)}" in stdout, stdout[-3000:]
   if strategy == "ps":
-    assert "chief:0 | " in proc.stdout and "worker:1 | " in proc.stdout
+    assert "chief:0 | " in stdout and "worker:1 | " in stdout
     assert loss < 2 * default_loss + 0.05, (loss, default_loss)
   else:
     artifacts.assert_weights_close(artifacts.model_weights(model_dir),
                                    expected, rtol=1e-5)
+
+
+def _strategy_logged(strategy):
+  return {"mwms": "multi_worker_mirrored", "ps": "parameter_server"}.get(
+      strategy, strategy)
 
 
 @pytest.mark.serial  # Owns Ray's daemons.

@@ -64,8 +64,9 @@ def one_device(tmp_path_factory, data_dir):
 
   def run(optimizer):
     if optimizer not in runs:
-      runs[optimizer] = tmp_path_factory.mktemp(optimizer) / "one"
-      _train(runs[optimizer], data_dir, 20, *OPTIMIZERS[optimizer])
+      model_dir = tmp_path_factory.mktemp(optimizer) / "one"
+      _train(model_dir, data_dir, 20, *OPTIMIZERS[optimizer])
+      runs[optimizer] = model_dir  # Only a run that finished.
     return runs[optimizer]
   return run
 

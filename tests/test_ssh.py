@@ -114,24 +114,30 @@ def test_ctrl_c_stops_the_remote_processes(sshd, tmp_path, data_dir):
   assert _remote_pids(model_dir) == []
 
 
-def _remote_worker_pid(marker, index):
-  """The training process of worker `index` (its TF_CONFIG says so)."""
-  for pid in _remote_pids(marker):
-    try:
-      with open(f"/proc/{pid}/environ", "rb") as f:
-        environ = f.read()
-    except OSError:
-      continue
-    if f'"type": "worker", "index": {index}}}'.encode() in environ:
-      return pid
-  raise AssertionError(f"no remote worker:{index} runs")
+def _listening_pid(port):
+  """The process that listens on 127.0.0.1:`port` (a remote task's
+  server: a task that began as a warm spare runs as `-m launch.spare`)."""
+  out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"],
+                       capture_output=True, text=True).stdout
+  pids = set(re.findall(r"pid=(\d+)", out))
+  assert len(pids) == 1, out
+  return int(pids.pop())
+
+
+def _spare_pids():
+  out = subprocess.run(["pgrep", "-f", f"^{sys.executable} -m "
+                        "tfdist.launch.spare"],
+                       capture_output=True, text=True).stdout
+  return [int(p) for p in out.split()]
 
 
 def test_elastic_job_grows_and_shrinks_with_discovery(sshd, tmp_path,
                                                       data_dir):
   """Discovery offers 2 slots, then 3: the job grows at a checkpoint.
   Then a host's slot goes and its worker dies: the job carries on with
-  2. Every membership trains the weights one device would."""
+  2. Every membership trains the weights one device would. Each change
+  hands tasks to the host's warm spares (auto: one per task), and none
+  outlives the launcher."""
   slots = tmp_path / "slots"
   slots.write_text("127.0.0.1:2\n")
   model_dir = tmp_path / "run"
@@ -146,11 +152,31 @@ def test_elastic_job_grows_and_shrinks_with_discovery(sshd, tmp_path,
        "--strategy=multi_worker_mirrored"], module="launch.ssh")
   run.wait_for(lambda l: l.startswith("worker:0") and "ckpt-20." in l)
   slots.write_text("127.0.0.1:3\n")
+  started = run.wait_for(lambda l: "started worker:2 pid=" in l)
   run.wait_for(lambda l: l.startswith("worker:2") and "train step" in l)
   slots.write_text("127.0.0.1:2\n")
-  os.kill(_remote_worker_pid(model_dir, 2), signal.SIGKILL)
+  port = int(re.search(r" at 127\.0\.0\.1:(\d+) ", started).group(1))
+  os.kill(_listening_pid(port), signal.SIGKILL)
   code, output = run.finish()
   assert code == 0, output[-3000:]
+  # Each change handed tasks to spares that were waiting (their pids on
+  # the launcher's last "warm spares waiting" line): 2 of the 3 tasks of
+  # the grown group (a third spare started for it then), both tasks of
+  # the shrunk one.
+  waiting, warm = [], {}
+  for line in output.splitlines():
+    if "warm spares waiting for a restart's tasks: pids " in line:
+      waiting = [int(p) for p in line.split("pids ")[1].split(", ")]
+    started = re.search(r"started worker:\d pid=(\d+) .*\(attempt (\d+), "
+                        r"a warm spare\)", line)
+    if started and int(started.group(1)) in waiting:
+      attempt = int(started.group(2))
+      warm[attempt] = warm.get(attempt, 0) + 1
+  assert warm == {2: 2, 3: 2}, (warm, output[-3000:])
+  deadline = time.monotonic() + 30  # A spare may still be importing.
+  while _spare_pids() and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert _spare_pids() == []
   assert "discovery offers 2 worker slot(s): starting with 2" in output
   assert "membership change: 2 -> 3 workers" in output
   # The resize's SIGTERM reached the remote tasks (not ssh's SIGHUP): the

@@ -115,15 +115,15 @@ def test_train_stream_says_it_never_ends():
       tf.data.INFINITE_CARDINALITY)
 
 
-def test_plain_input_only_for_one_cpu_replica_of_a_mirrored_strategy():
+def test_plain_input_only_for_one_cpu_replica_of_a_mirrored_strategy(
+    two_cpu_strategy):
   from tfdist import runners  # pylint: disable=g-import-not-at-top
   context = runners.plain_input_context(
       tf.distribute.MirroredStrategy(["/cpu:0"]))
   assert (context.num_input_pipelines, context.input_pipeline_id,
           context.num_replicas_in_sync) == (1, 0, 1)
   # Several local replicas, or no mirrored strategy: TF's iterator.
-  assert runners.plain_input_context(
-      tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])) is None
+  assert runners.plain_input_context(two_cpu_strategy) is None
   assert runners.plain_input_context(tf.distribute.get_strategy()) is None
   assert runners.plain_input_context(
       tf.distribute.OneDeviceStrategy("/cpu:0")) is None
@@ -547,8 +547,8 @@ def test_spares_hand_a_task_its_order_and_refuse_other_commands():
     started.append((argv, env))
     return subprocess.Popen(["cat"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE)
-  spares = spare.Spares(prefix=[sys.executable], count=1,
-                        start_process=start_cat)
+  spares = spare.Spares(command=[sys.executable, "-m", "launch.spare"],
+                        count=1, start_process=start_cat)
   assert spares.take([sys.executable, "-m", "tfdist.train"], {}) is None
   spares.start({"SHARED": "1"})
   assert started == [([sys.executable, "-m", "launch.spare"],
@@ -567,10 +567,10 @@ def test_spares_hand_a_task_its_order_and_refuse_other_commands():
   process.wait()
   assert order == {"module": "tfdist.train",
                    "args": ["--x=1", "--nonative_logs", "--verbosity=0"],
-                   "env": {"TF_CONFIG": "{}"}}
+                   "env": {"TF_CONFIG": "{}"}, "remote": False}
   assert len(started) == 2  # A new spare waits in its place.
   waiting = spares.pids
   spares.close()
   assert waiting and not any(process_alive(pid) for pid in waiting)
   with pytest.raises(ValueError, match="count must be >= 0. Received: -1"):
-    spare.Spares(prefix=[], count=-1, start_process=start_cat)
+    spare.Spares(command=[], count=-1, start_process=start_cat)

@@ -48,6 +48,20 @@ def role_of(config, tf_config):
   return Role.TRAINER
 
 
+def check_before_tensorflow(config, role, *, task, tf_config):
+  """What the Config and TF_CONFIG alone refuse, checked before TF's
+  import (6-7 s here) and before model_dir is touched: a zoo model's
+  name, and a parameter-server trainer outside a PS cluster."""
+  from tfdist import models  # pylint: disable=g-import-not-at-top
+  from tfdist import strategies  # pylint: disable=g-import-not-at-top
+  from tfdist import task as task_lib  # pylint: disable=g-import-not-at-top
+  if (task is None and not config.task
+      and not task_lib.is_reference(config.model)):
+    models.check_name(config.model)
+  if role is Role.TRAINER and config.strategy == "parameter_server":
+    strategies.check_parameter_server_task(tf_config)
+
+
 def ensure_writable_dir(path):
   """Creates model_dir if needed and proves a file can be written in it."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -123,6 +137,7 @@ def run(config, *, task=None, tf_config=None, show_native_logs=False,
   """Runs this task of the job; returns the Trainer's RunResult, or None
   for a ps/worker server or a sidecar evaluator."""
   role = role_of(config, tf_config)
+  check_before_tensorflow(config, role, task=task, tf_config=tf_config)
   started = start_tensorflow(config, role, tf_config=tf_config,
                              show_native_logs=show_native_logs)
   ensure_writable_dir(config.model_dir)

@@ -124,7 +124,10 @@ def partitioner(config, num_ps):
       min_shard_bytes=config.ps_shard_min_bytes, max_shards=max_shards)
 
 
-def _parameter_server(config, task):
+def check_parameter_server_task(task):
+  """The task (a parsed TF_CONFIG, or None) that builds
+  ParameterServerStrategy: the chief of a cluster with ps tasks. No TF
+  here: tfdist.api checks this before TF's import."""
   if task is None or not task.cluster.get("ps"):
     raise ConfigError(
         "--strategy=parameter_server needs a TF_CONFIG with chief, worker "
@@ -133,6 +136,10 @@ def _parameter_server(config, task):
   if task.task_type != "chief":
     raise ConfigError(f"only the chief builds ParameterServerStrategy. "
                       f"Received: task type {task.task_type!r}")
+
+
+def _parameter_server(config, task):
+  check_parameter_server_task(task)
   import tensorflow as tf
   # No variable_partitioner: Keras 3 variables cannot wrap ShardedVariable.
   # Models that can shard take the partitioner and make one variable per
