@@ -22,6 +22,11 @@ a node that lost a worker for good is not counted again (Horovod's
 elastic blacklist does the same with hosts). Each change reserves a new
 placement group and restarts the group from the checkpoint.
 
+Warm spares (--spares, auto: one per task when the job can restart): a
+spare (launch.spare) waits in an actor of its own on each node the tasks
+run on, and a restart, preemption resume or membership change hands the
+node's tasks to them (RaySpares).
+
 No task outlives the launcher: a task process gets SIGKILL when its
 actor's process dies (PR_SET_PDEATHSIG, set from a thread that lives as
 long as the actor, since Ray runs actor methods in threads), actors are
@@ -31,6 +36,7 @@ Needs the `ray` extra: pip install -e '.[cpu,ray]'.
 """
 
 import argparse
+import collections
 import contextlib
 import os
 import shutil
@@ -42,6 +48,7 @@ import time
 from . import core
 from . import description
 from . import processes
+from . import spare
 from tfdist import quiet
 
 try:
@@ -73,9 +80,11 @@ def parse_args(argv):
                       help="SPREAD tasks over nodes, or PACK them.")
   parser.add_argument("--ready_timeout", type=float, default=120.0,
                       help="Seconds to wait for the placement group.")
+  spare.add_argument(parser)
   core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
   core.finish_args(parser, args)
+  args.spares_per_task = spare.count_from(parser, args)
   if args.cpus_per_task < 0 or args.gpus_per_task < 0:
     parser.error(f"--cpus_per_task and --gpus_per_task must be >= 0. "
                  f"Received: {args.cpus_per_task}, {args.gpus_per_task}")
@@ -114,16 +123,102 @@ def worker_slots(nodes, *, cpus_per_task, gpus_per_task, other_tasks,
   return max(tasks - other_tasks, 0)
 
 
+class RaySpares:
+  """Warm spares in actors of their own, outside the placement group
+  (no CPUs of their own: the task's bundle holds them) and pinned to a
+  node: `per_task` for each task the node runs at once. A spare actor
+  that gets a task is that task's actor from then on; another takes its
+  place in the background."""
+
+  def __init__(self, ray_module, *, per_task, log):
+    self._ray = ray_module
+    self._per_task = per_task
+    self._log = log
+    self._pools = collections.defaultdict(list)  # node -> [(actor, pid)]
+    self._wanted = collections.Counter()
+    self._env = None
+
+  def plan(self, nodes):
+    """The nodes of an attempt's tasks, one entry per task. A node no
+    task runs on now (gone, or left out) keeps no spares."""
+    tasks = collections.Counter(nodes)
+    for node in [n for n in self._pools if n not in tasks]:
+      for actor, _ in self._pools.pop(node):
+        ray_actor.release(self._ray, actor)
+    self._wanted = collections.Counter({
+        node: max(self._wanted[node], self._per_task * count)
+        for node, count in tasks.items()})
+    self._fill()
+
+  def start(self, env):
+    self._env = {k: v for k, v in env.items() if k == "PYTHONUNBUFFERED"}
+    self._fill()
+
+  def _fill(self):
+    if self._env is None:
+      return
+    from ray.util.scheduling_strategies import \
+        NodeAffinitySchedulingStrategy
+    for node, wanted in self._wanted.items():
+      while len(self._pools[node]) < wanted:
+        actor = ray_actor.TaskActor.options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node, soft=False)).remote()
+        self._pools[node].append(
+            (actor, actor.warm.remote(spare.REMOTE_MODULE, self._env,
+                                      os.getcwd())))
+
+  def hand(self, node, argv):
+    """A spare actor on `node` whose spare waits, or None."""
+    if spare.wants_native_logs(argv[3:]):
+      return None
+    try:
+      while self._pools[node]:
+        actor, pid = self._pools[node].pop(0)
+        try:
+          if self._ray.get(actor.spare_waits.remote(), timeout=30):
+            return actor
+        except (self._ray.exceptions.RayError,
+                self._ray.exceptions.GetTimeoutError):
+          pass
+        self._log(f"a warm spare on node {node[:12]} had exited before it "
+                  "was needed")
+        ray_actor.release(self._ray, actor)
+      return None
+    finally:
+      self._fill()
+
+  @property
+  def pids(self):
+    """The pids of the spares started within 10 s (an actor takes about
+    a second to start, and the launcher logs this as its tasks start)."""
+    refs = [pid for pool in self._pools.values() for _, pid in pool]
+    ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=10)
+    try:
+      return self._ray.get(ready, timeout=5)
+    except (self._ray.exceptions.RayError,
+            self._ray.exceptions.GetTimeoutError):
+      return []
+
+  def close(self):
+    for pool in self._pools.values():
+      for actor, _ in pool:
+        ray_actor.release(self._ray, actor)
+    self._pools.clear()
+
+
 class RayJob:
   """The placement group and the actors of the current attempt."""
 
-  def __init__(self, args, *, log):
+  def __init__(self, args, *, log, spares=None):
     self._args = args
     self._ray = ray_module
     self._log = log
+    self._spares = spares  # A RaySpares, or None.
     self._names = task_names(args.cluster)
     self._group = None
     self._actors = {}  # task name -> actor handle
+    self._taken = []  # Spare actors running this attempt's tasks.
     self._nodes = {}  # task name -> Ray node id, for the current attempt
     self._lost_nodes = set()  # Nodes that lost a worker for good.
 
@@ -192,6 +287,8 @@ class RayJob:
                             for a in self._actors.values()])
     self._nodes = dict(zip(self._names, self._ray.get(
         [a.node_id.remote() for a in self._actors.values()])))
+    if self._spares:
+      self._spares.plan(list(self._nodes.values()))
     addresses = {}
     for name, address in zip(self._names, probed):
       addresses.setdefault(name.split(":")[0], []).append(address)
@@ -202,18 +299,26 @@ class RayJob:
   def spawn(self, spec, env):
     """Starts the task in its actor; a dead actor is replaced in its
     bundle first (same node, so the address in TF_CONFIG still holds)."""
-    actor = self._actors[spec.name]
-    if not ray_actor.alive(self._ray, actor):
-      actor = self._actors[spec.name] = self._new_actor(spec.name)
+    warm = self._spares and self._spares.hand(self._nodes[spec.name],
+                                               spec.argv)
+    if warm:
+      self._taken.append(warm)
+      actor = warm
+    else:
+      actor = self._actors[spec.name]
+      if not ray_actor.alive(self._ray, actor):
+        actor = self._actors[spec.name] = self._new_actor(spec.name)
     process = ray_actor.RemoteProcess(self._ray, actor, spec.argv, env,
                                       cwd=os.getcwd())
+    process.warm = bool(warm)
     self._log(f"{spec.name} runs in Ray actor pid={process.actor_pid}")
     return process
 
   def release_actors(self):
-    for actor in self._actors.values():
+    for actor in [*self._actors.values(), *self._taken]:
       ray_actor.release(self._ray, actor)
     self._actors = {}
+    self._taken = []
 
   def close(self):
     self.release_actors()
@@ -295,14 +400,17 @@ def main(argv=None):
 
 
 def _launch(args, log):
-  job = RayJob(args, log=log)
+  spares = (RaySpares(ray_module, per_task=args.spares_per_task, log=log)
+            if args.spares_per_task else None)
+  job = RayJob(args, log=log, spares=spares)
   try:
     # The placement group is reserved with the first attempt's tasks: an
     # elastic job first waits for MIN worker slots among the live nodes.
     return core.Launcher(
         args, make_tasks=job.make_tasks, spawn=job.spawn,
         discover=job.worker_slots, drop_worker=job.drop_worker,
-        discover_every_seconds=args.discovery_seconds).run()
+        discover_every_seconds=args.discovery_seconds,
+        spares=spares).run()
   except PlacementError as e:
     return f"python -m launch.ray: error: {e}"
   finally:

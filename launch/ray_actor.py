@@ -8,6 +8,7 @@ workers by value, so they need no tfdist install on the node.
 
 import collections
 import functools
+import json
 import os
 import queue
 import shutil
@@ -72,18 +73,54 @@ class TaskActor:
     # and Ray runs actor methods in threads: fork from a thread that lives
     # exactly as long as this actor's process.
     self._requests = queue.Queue()
+    self._spare = None  # A warm spare (launch.spare) waiting for start().
     threading.Thread(target=self._spawner, daemon=True).start()
 
   def _spawner(self):
     while True:
-      argv, env, cwd, reply = self._requests.get()
+      argv, env, cwd, stdin, reply = self._requests.get()
       try:
         reply.put(subprocess.Popen(
             argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT, stdin=stdin,
             start_new_session=True, preexec_fn=child_preparer()))
       except OSError as e:
         reply.put(e)
+
+  def _popen(self, argv, env, cwd, stdin=subprocess.DEVNULL):
+    reply = queue.Queue()
+    self._requests.put((argv, env, cwd if os.path.isdir(cwd) else None,
+                        stdin, reply))
+    process = reply.get()
+    if isinstance(process, OSError):
+      raise process
+    return process
+
+  def warm(self, module, env, cwd):
+    """Starts a warm spare, `python -m module` (launch.spare), that the
+    next start() hands its task to; returns its pid."""
+    self._spare = self._popen([sys.executable, "-m", module],
+                              {**os.environ, **env}, cwd,
+                              stdin=subprocess.PIPE)
+    return self._spare.pid
+
+  def spare_waits(self):
+    return self._spare is not None and self._spare.poll() is None
+
+  def _hand_to_spare(self, argv, env):
+    """The spare, now running `python -m module args` with `env`, or None
+    (no spare waits, or argv is not a module's)."""
+    spare, self._spare = self._spare, None
+    if spare is None or spare.poll() is not None or argv[1:2] != ["-m"]:
+      return None
+    order = {"module": argv[2], "args": argv[3:], "env": env,
+             "remote": False}
+    try:
+      spare.stdin.write((json.dumps(order) + "\n").encode())
+      spare.stdin.close()
+    except OSError:
+      return None
+    return spare
 
   def address(self):
     """This node's IP and a port free on it now (the task binds it later;
@@ -102,12 +139,7 @@ class TaskActor:
     self._scratch = tempfile.mkdtemp(prefix="tfdist-ray-task-")
     env = {**os.environ, **env, "TMPDIR": self._scratch}
     argv = [sys.executable, *argv[1:]]
-    reply = queue.Queue()
-    self._requests.put((argv, env, cwd if os.path.isdir(cwd) else None,
-                        reply))
-    process = reply.get()
-    if isinstance(process, OSError):
-      raise process
+    process = self._hand_to_spare(argv, env) or self._popen(argv, env, cwd)
     self._process = process
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
@@ -134,10 +166,12 @@ class TaskActor:
       self._process.send_signal(signum)
 
   def cleanup(self):
-    """Kills the task if it still runs and removes its scratch files."""
-    if self._process is not None and self._process.poll() is None:
-      self._process.kill()
-      self._process.wait()
+    """Kills the task (or the spare) if it still runs and removes its
+    scratch files."""
+    for process in (self._process, self._spare):
+      if process is not None and process.poll() is None:
+        process.kill()
+        process.wait()
     if self._scratch:
       shutil.rmtree(self._scratch, ignore_errors=True)
 

@@ -124,7 +124,7 @@ def _split_module_command(argv):
   return argv[:at], argv[at + 1], argv[at + 2:]
 
 
-def _wants_native_logs(args):
+def wants_native_logs(args):
   """TF reads its log level once, at the import a spare has done quietly:
   a task that asks for TF's native logs starts cold to get them. absl
   parses the two flags, in every form the task itself accepts."""
@@ -222,7 +222,7 @@ class Spares:
     local task's whole environment; a remote task's own variables); a new
     spare starts in its place. None when no spare waits, or the task asks
     for TF's native logs."""
-    if _wants_native_logs(args):
+    if wants_native_logs(args):
       return None
     order = json.dumps({"module": module, "args": list(args),
                         "env": dict(env), "remote": self._remote})

@@ -287,9 +287,13 @@ class HostSpares:
     return self._pools[host]
 
   def plan(self, task_hosts):
-    """The hosts of an attempt's tasks, one entry per task."""
-    for host, tasks in collections.Counter(task_hosts).items():
-      self._pool(host).grow_to(self._per_task * tasks)
+    """The hosts of an attempt's tasks, one entry per task. A host no
+    task runs on now (dropped, or not offered) keeps no spares."""
+    tasks = collections.Counter(task_hosts)
+    for host in [h for h in self._pools if h not in tasks]:
+      self._pools.pop(host).close()
+    for host, count in tasks.items():
+      self._pool(host).grow_to(self._per_task * count)
 
   def start(self, env):
     self._env = dict(env)

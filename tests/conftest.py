@@ -1,6 +1,7 @@
 """Shared fixtures: the CLI as a subprocess, and prepared digits data."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -40,6 +41,21 @@ def user_project(tmp_path, module, name):
   path.mkdir()
   shutil.copy(os.path.join(ROOT, "tests", module), path / name)
   return path
+
+
+def warm_starts(output):
+  """{attempt: tasks started on a warm spare that was waiting}: a task
+  whose pid the launcher's last "warm spares waiting" line listed."""
+  waiting, warm = [], {}
+  for line in output.splitlines():
+    if "warm spares waiting for a restart's tasks: pids " in line:
+      waiting = [int(p) for p in line.split("pids ")[1].split(", ") if p]
+    started = re.search(r"started \S+ pid=(\d+) .*\(attempt (\d+), a warm "
+                        r"spare\)", line)
+    if started and int(started.group(1)) in waiting:
+      attempt = int(started.group(2))
+      warm[attempt] = warm.get(attempt, 0) + 1
+  return warm
 
 
 def run_cli(*args, timeout=300, env=None, check=True):

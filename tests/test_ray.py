@@ -20,6 +20,7 @@ from conftest import ROOT
 from conftest import LauncherProcess
 from conftest import long_test
 from conftest import process_alive
+from conftest import warm_starts
 
 # Kills processes, times out or owns a daemon: run alone (.ci/run).
 pytestmark = pytest.mark.serial
@@ -55,10 +56,14 @@ def _launch(netns, launcher_args, train_args):
                          prefix=netns)
 
 
-def _assert_nothing_left(output, daemons_before):
+def _assert_no_task_left(output):
   started = _pids(output, _ACTOR) | _pids(output, _TASK)
   assert started, output[-2000:]
   assert not [p for p in started if process_alive(p)], "a task or actor lived on"
+
+
+def _assert_nothing_left(output, daemons_before):
+  _assert_no_task_left(output)
   assert _ray_daemons() <= daemons_before, "Ray's daemons survived"
 
 
@@ -183,11 +188,17 @@ def test_elastic_job_follows_nodes_joining_and_leaving(netns, tmp_path,
     assert "membership change: 3 -> 2 workers" in output, output[-3000:]
     assert f"worker:0 | Finished at step {steps}/{steps}" in output
     assert artifacts.checkpoint_step(str(model_dir)) == steps
+    # Each change handed tasks to warm spares that were waiting (auto:
+    # one per task, on the node of the task): on the grown group's first
+    # node, and both tasks of the shrunk group.
+    warm = warm_starts(output)
+    assert warm.get(2, 0) >= 1 and warm.get(3) == 2, (warm, output[-3000:])
     sizes = [v for _, v in artifacts.scalars(
         str(model_dir / "train"), "workers", in_time_order=True)]
     assert sizes == [2, 3, 2]
     test_elastic.assert_one_device_weights(model_dir, tmp_path, data_dir,
                                            steps)
+    _assert_no_task_left(output)  # Spares too: tasks once they were one.
   finally:
     (control / "stop").touch()
     try:

@@ -14,6 +14,7 @@ import pytest
 import artifacts
 import test_elastic
 from conftest import LauncherProcess
+from conftest import warm_starts
 from conftest import ROOT
 
 # Kills processes, times out or owns a daemon: run alone (.ci/run).
@@ -163,15 +164,7 @@ def test_elastic_job_grows_and_shrinks_with_discovery(sshd, tmp_path,
   # the launcher's last "warm spares waiting" line): 2 of the 3 tasks of
   # the grown group (a third spare started for it then), both tasks of
   # the shrunk one.
-  waiting, warm = [], {}
-  for line in output.splitlines():
-    if "warm spares waiting for a restart's tasks: pids " in line:
-      waiting = [int(p) for p in line.split("pids ")[1].split(", ")]
-    started = re.search(r"started worker:\d pid=(\d+) .*\(attempt (\d+), "
-                        r"a warm spare\)", line)
-    if started and int(started.group(1)) in waiting:
-      attempt = int(started.group(2))
-      warm[attempt] = warm.get(attempt, 0) + 1
+  warm = warm_starts(output)
   assert warm == {2: 2, 3: 2}, (warm, output[-3000:])
   deadline = time.monotonic() + 30  # A spare may still be importing.
   while _spare_pids() and time.monotonic() < deadline:
