@@ -130,9 +130,12 @@ class RaySpares:
   that gets a task is that task's actor from then on; another takes its
   place in the background."""
 
-  def __init__(self, ray_module, *, per_task, log):
+  def __init__(self, ray_module, *, per_task, cpus_per_task, log):
     self._ray = ray_module
     self._per_task = per_task
+    # Ray gives a task's bundle actor OMP_NUM_THREADS of its CPUs; a
+    # spare's actor has none of its own, and the import reads it.
+    self._threads = str(max(1, int(cpus_per_task)))
     self._log = log
     self._pools = collections.defaultdict(list)  # node -> [(actor, pid)]
     self._wanted = collections.Counter()
@@ -151,7 +154,8 @@ class RaySpares:
     self._fill()
 
   def start(self, env):
-    self._env = {k: v for k, v in env.items() if k == "PYTHONUNBUFFERED"}
+    self._env = {"OMP_NUM_THREADS": self._threads, **{
+        k: v for k, v in env.items() if k == "PYTHONUNBUFFERED"}}
     self._fill()
 
   def _fill(self):
@@ -169,24 +173,35 @@ class RaySpares:
                                       os.getcwd())))
 
   def hand(self, node, argv):
-    """A spare actor on `node` whose spare waits, or None."""
+    """A spare actor on `node` whose spare has started and waits, or None.
+    One still starting is left for later: its task would wait for it
+    longer than a cold start in the bundle's actor takes."""
     if spare.wants_native_logs(argv[3:]):
       return None
+    pool, kept = self._pools[node], []
     try:
-      while self._pools[node]:
-        actor, pid = self._pools[node].pop(0)
-        try:
-          if self._ray.get(actor.spare_waits.remote(), timeout=30):
-            return actor
-        except (self._ray.exceptions.RayError,
-                self._ray.exceptions.GetTimeoutError):
-          pass
-        self._log(f"a warm spare on node {node[:12]} had exited before it "
-                  "was needed")
+      while pool:
+        actor, pid = pool.pop(0)
+        ready, _ = self._ray.wait([pid], timeout=0)
+        if not ready:
+          kept.append((actor, pid))
+          continue
+        why = self._spare_exit(actor)
+        if why is None:
+          return actor
+        self._log(f"a warm spare on node {node[:12]} {why}")
         ray_actor.release(self._ray, actor)
       return None
     finally:
+      pool[:0] = kept
       self._fill()
+
+  def _spare_exit(self, actor):
+    try:
+      return self._ray.get(actor.spare_exit.remote(), timeout=30)
+    except (self._ray.exceptions.RayError,
+            self._ray.exceptions.GetTimeoutError) as e:
+      return f"is gone ({type(e).__name__})"
 
   @property
   def pids(self):
@@ -194,11 +209,14 @@ class RaySpares:
     a second to start, and the launcher logs this as its tasks start)."""
     refs = [pid for pool in self._pools.values() for _, pid in pool]
     ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=10)
-    try:
-      return self._ray.get(ready, timeout=5)
-    except (self._ray.exceptions.RayError,
-            self._ray.exceptions.GetTimeoutError):
-      return []
+    pids = []
+    for ref in ready:
+      try:
+        pids.append(self._ray.get(ref, timeout=5))
+      except (self._ray.exceptions.RayError,
+              self._ray.exceptions.GetTimeoutError):
+        pass  # Its actor could not start the spare: hand() says why.
+    return pids
 
   def close(self):
     for pool in self._pools.values():
@@ -299,19 +317,31 @@ class RayJob:
   def spawn(self, spec, env):
     """Starts the task in its actor; a dead actor is replaced in its
     bundle first (same node, so the address in TF_CONFIG still holds)."""
-    warm = self._spares and self._spares.hand(self._nodes[spec.name],
-                                               spec.argv)
-    if warm:
-      self._taken.append(warm)
-      actor = warm
-    else:
+    process = self._spawn_warm(spec, env)
+    if process is None:
       actor = self._actors[spec.name]
       if not ray_actor.alive(self._ray, actor):
         actor = self._actors[spec.name] = self._new_actor(spec.name)
-    process = ray_actor.RemoteProcess(self._ray, actor, spec.argv, env,
-                                      cwd=os.getcwd())
-    process.warm = bool(warm)
+      process = ray_actor.RemoteProcess(self._ray, actor, spec.argv, env,
+                                        cwd=os.getcwd())
     self._log(f"{spec.name} runs in Ray actor pid={process.actor_pid}")
+    return process
+
+  def _spawn_warm(self, spec, env):
+    """The task on a spare of its node, or None."""
+    actor = self._spares and self._spares.hand(self._nodes[spec.name],
+                                                spec.argv)
+    if not actor:
+      return None
+    self._taken.append(actor)
+    try:
+      process = ray_actor.RemoteProcess(self._ray, actor, spec.argv, env,
+                                        cwd=os.getcwd(), warm_only=True)
+    except (ray_actor.NoSpare, self._ray.exceptions.RayError) as e:
+      self._log(f"{spec.name} starts cold: its spare could not take it "
+                f"({e})")
+      return None
+    process.warm = True
     return process
 
   def release_actors(self):
@@ -400,8 +430,15 @@ def main(argv=None):
 
 
 def _launch(args, log):
-  spares = (RaySpares(ray_module, per_task=args.spares_per_task, log=log)
-            if args.spares_per_task else None)
+  spares = None
+  if args.spares_per_task and args.gpus_per_task:
+    # A spare's actor holds no GPUs, so the task it ran would see the
+    # node's devices as Ray left them, not its bundle's.
+    log("warm spares are off with --gpus_per_task: each restart starts "
+        "its tasks cold")
+  elif args.spares_per_task:
+    spares = RaySpares(ray_module, per_task=args.spares_per_task,
+                       cpus_per_task=args.cpus_per_task, log=log)
   job = RayJob(args, log=log, spares=spares)
   try:
     # The placement group is reserved with the first attempt's tasks: an

@@ -104,12 +104,22 @@ class TaskActor:
                               stdin=subprocess.PIPE)
     return self._spare.pid
 
-  def spare_waits(self):
-    return self._spare is not None and self._spare.poll() is None
+  def spare_exit(self):
+    """None while the spare waits; else why not (its code and last line:
+    a node without tfdist says so here)."""
+    if self._spare is None:
+      return "no spare"
+    code = self._spare.poll()
+    if code is None:
+      return None
+    lines = [raw for raw in self._spare.stdout if raw.strip()]
+    last = lines[-1].decode("utf-8", "replace").strip()[:300] if lines else ""
+    return f"exited with code {code}: {last or 'no output'}"
 
   def _hand_to_spare(self, argv, env):
     """The spare, now running `python -m module args` with `env`, or None
-    (no spare waits, or argv is not a module's)."""
+    (no spare waits, or argv is not a module's); a spare that cannot
+    take its order is killed."""
     spare, self._spare = self._spare, None
     if spare is None or spare.poll() is not None or argv[1:2] != ["-m"]:
       return None
@@ -119,6 +129,8 @@ class TaskActor:
       spare.stdin.write((json.dumps(order) + "\n").encode())
       spare.stdin.close()
     except OSError:
+      spare.kill()
+      spare.wait()
       return None
     return spare
 
@@ -134,13 +146,19 @@ class TaskActor:
     """The Ray node this actor runs on."""
     return ray.get_runtime_context().get_node_id()
 
-  def start(self, argv, env, cwd):
-    """Starts `argv` with this node's Python; returns (pid, actor pid)."""
-    self._scratch = tempfile.mkdtemp(prefix="tfdist-ray-task-")
-    env = {**os.environ, **env, "TMPDIR": self._scratch}
+  def start(self, argv, env, cwd, warm_only=False):
+    """Starts `argv` with this node's Python; returns (pid, actor pid).
+    `warm_only`: on this actor's spare, else nothing starts and it
+    returns None (the launcher starts it cold in the task's bundle)."""
+    scratch = tempfile.mkdtemp(prefix="tfdist-ray-task-")
+    env = {**os.environ, **env, "TMPDIR": scratch}
     argv = [sys.executable, *argv[1:]]
-    process = self._hand_to_spare(argv, env) or self._popen(argv, env, cwd)
-    self._process = process
+    process = self._hand_to_spare(argv, env)
+    if process is None and warm_only:
+      shutil.rmtree(scratch, ignore_errors=True)
+      return None
+    self._scratch = scratch
+    self._process = process = process or self._popen(argv, env, cwd)
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
     return process.pid, os.getpid()
@@ -194,17 +212,23 @@ def release(ray_module, actor):
   ray_module.kill(actor)
 
 
+class NoSpare(Exception):
+  """A spare actor's spare could not take its task."""
+
+
 class RemoteProcess:
   """A task process in an actor, seen as a subprocess.Popen: pid, poll(),
   wait(), send_signal(), kill(), and stdout to iterate over."""
 
-  def __init__(self, ray_module, actor, argv, env, *, cwd):
+  def __init__(self, ray_module, actor, argv, env, *, cwd, warm_only=False):
     self._ray = ray_module
     self._actor = actor
     self._returncode = None
     self.lost = False  # The actor is gone (its node, say), not just exited.
-    self.pid, self.actor_pid = ray_module.get(
-        actor.start.remote(argv, env, cwd))
+    started = ray_module.get(actor.start.remote(argv, env, cwd, warm_only))
+    if started is None:
+      raise NoSpare("the spare could not take the task")
+    self.pid, self.actor_pid = started
     self.stdout = self._lines()
 
   def _call(self, method, *args):

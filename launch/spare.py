@@ -158,13 +158,30 @@ def add_argument(parser):
 
 
 def count_from(parser, args):
-  """--spares as a number per task (0: none)."""
-  if args.spares == "auto":
-    return int(args.max_restarts > 0 or args.cluster.elastic)
-  if not args.spares.isdigit():
+  """--spares as a number per task (0: none). A task that asks for TF's
+  native logs starts cold, so such a job keeps none."""
+  if not args.spares.isdigit() and args.spares != "auto":
     parser.error(f"--spares must be auto or a number >= 0. Received: "
                  f"{args.spares}")
+  if wants_native_logs(args.train_args):
+    return 0
+  if args.spares == "auto":
+    return int(args.max_restarts > 0 or args.cluster.elastic)
   return int(args.spares)
+
+
+def last_words(process, limit=300):
+  """The last line a spare that exited printed (its error), or ''."""
+  try:
+    lines = [raw for raw in process.stdout if raw.strip()]
+  except (OSError, ValueError):
+    return ""
+  if not lines:
+    return ""
+  last = lines[-1]
+  if isinstance(last, bytes):
+    last = last.decode("utf-8", "replace")
+  return last.strip()[:limit]
 
 
 class Spares:
@@ -232,7 +249,8 @@ class Spares:
         if process.poll() is not None:
           # The OOM killer, a lost host, a python without tfdist.
           self._log(f"warm spare pid={process.pid} had exited (code "
-                    f"{process.poll()}) before it was needed")
+                    f"{process.poll()}) before it was needed: "
+                    f"{last_words(process) or 'no output'}")
           continue
         try:
           process.stdin.write((order + "\n").encode())

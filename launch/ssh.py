@@ -247,11 +247,12 @@ def _ssh_prefix(args):
   return ["ssh", *shlex.split(args.ssh_args)]
 
 
-# A waiting spare's connection: ssh ends within 15 s when the host is
-# gone (then the spare is not handed a task), where TCP would take
-# minutes. The user's --ssh_args come first and win.
-_SPARE_KEEPALIVE = ["-o", "ServerAliveInterval=5", "-o",
-                    "ServerAliveCountMax=3"]
+# A waiting spare's connection: ssh ends within 2 minutes when the host
+# is gone (then the spare is not handed a task), where TCP would take
+# far longer. Loose enough that a task on it rides out a stall of the
+# network as one over `ssh -tt` would. The user's --ssh_args win.
+_SPARE_KEEPALIVE = ["-o", "ServerAliveInterval=15", "-o",
+                    "ServerAliveCountMax=8"]
 
 
 def spare_command(args, host):

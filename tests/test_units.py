@@ -574,3 +574,23 @@ def test_spares_hand_a_task_its_order_and_refuse_other_commands():
   assert waiting and not any(process_alive(pid) for pid in waiting)
   with pytest.raises(ValueError, match="count must be >= 0. Received: -1"):
     spare.Spares(command=[], count=-1, start_process=start_cat)
+
+
+def test_spares_per_task_and_none_for_native_logs():
+  """--spares: auto is one per task when the job can restart; a job whose
+  tasks ask for TF's native logs keeps none (they start cold)."""
+  import argparse
+  import types
+  from launch import spare
+  parser = argparse.ArgumentParser()
+  spare.add_argument(parser)
+
+  def count(spares, train_args=(), restarts=1, elastic=False):
+    args = parser.parse_args([f"--spares={spares}"])
+    args.train_args, args.max_restarts = list(train_args), restarts
+    args.cluster = types.SimpleNamespace(elastic=elastic)
+    return spare.count_from(parser, args)
+  assert (count("auto"), count("auto", restarts=0),
+          count("auto", restarts=0, elastic=True), count("2")) == (1, 0, 1, 2)
+  assert count("auto", ["--native_logs"]) == 0
+  assert count("2", ["-v", "1"]) == 0
