@@ -3,6 +3,7 @@
 python -m launch.local --workers=2 [--chief] [--ps=N] [--evaluator]
     [--max_restarts=K] [--backoff_seconds=S] -- <tfdist.train flags>
 python -m launch.local --workers=MIN:MAX [--host_discovery=SCRIPT] -- ...
+python -m launch.local --data_workers=K ... -- ...   (a tf.data service)
 
 Every task gets its own TF_CONFIG (built by tfdist.cluster) and every output
 line is prefixed with `role:index`. Failures, restarts and signals follow
@@ -10,12 +11,15 @@ the shared policy of launch.core; no task outlives the launcher.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import sys
+import tempfile
 
 import portpicker
 
 from . import core
+from . import data_service
 from . import description
 from . import isolation
 from . import processes
@@ -35,8 +39,16 @@ def parse_args(argv):
                       "so their gRPC ports are reachable from nowhere else "
                       "(needs root). auto: when possible (default).")
   spare.add_argument(parser)
+  parser.add_argument("--data_workers", type=int, default=0,
+                      help="Start a tf.data service beside the job: a "
+                      "dispatcher and this many data workers, each "
+                      "restarted when it exits; the trainers get "
+                      "--data_service. 0: none (default).")
   core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
+  if args.data_workers < 0:
+    parser.error(f"--data_workers must be >= 0. Received: "
+                 f"--data_workers={args.data_workers}")
   core.finish_args(parser, args)
   # Per task: every task is on this machine.
   args.spare_count = spare.count_from(parser, args) * sum(
@@ -69,6 +81,35 @@ def local_tasks(args, network=None):
   return [dataclasses.replace(s, argv=network.wrap(s.argv)) for s in specs]
 
 
+@contextlib.contextmanager
+def _data_service(args, python, log):
+  """With --data_workers: a dispatcher and its data workers for the whole
+  run (every attempt), the trainers told where it is."""
+  if not args.data_workers:
+    yield None
+    return
+  port = portpicker.pick_unused_port()
+  with tempfile.TemporaryDirectory(prefix="tfdist-dispatcher-") as work_dir:
+    service = data_service.DataService(
+        commands_by_name=data_service.commands(
+            python=python, port=port, work_dir=work_dir,
+            data_workers=args.data_workers),
+        start_process=processes.start_local, log=log,
+        write=lambda name, line: processes.write_line(
+            sys.stdout, f"{name} | {line}"))
+    try:
+      service.start()
+    except RuntimeError as e:
+      service.close()
+      sys.exit(f"python -m launch.local: error: {e}")
+    args.train_args = [*args.train_args,
+                       f"--data_service=grpc://127.0.0.1:{port}"]
+    try:
+      yield service
+    finally:
+      service.close()
+
+
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
   def log(message):
@@ -87,10 +128,11 @@ def main(argv=None):
                            count=args.spare_count,
                            start_process=processes.start_spare, log=log)
               if args.spare_count else None)
-    code = core.Launcher(
-        args, make_tasks=lambda a: local_tasks(a, network),
-        discover=discover, discover_every_seconds=args.discovery_seconds,
-        spares=spares).run()
+    with _data_service(args, python, log):
+      code = core.Launcher(
+          args, make_tasks=lambda a: local_tasks(a, network),
+          discover=discover, discover_every_seconds=args.discovery_seconds,
+          spares=spares).run()
   finally:
     if network:
       network.close()

@@ -123,3 +123,16 @@ def bad_parse():
     return example["pixels"], tf.constant(0)
   data_ = data()
   return tfdist.FileData(train=data_.train, eval=data_.eval, parse=wrong)
+
+
+def python_parse():
+  """A parse that calls Python, which the tf.data service cannot ship."""
+  data_ = data()
+
+  def through_python(record):
+    features, label = parse(record)
+    x = tf.py_function(lambda v: v, [features["x"]], tf.float32)
+    x.set_shape([4])
+    return {"x": x, "id": features["id"]}, label
+  return tfdist.FileData(train=data_.train, eval=data_.eval,
+                         parse=through_python, num_classes=NUM_CLASSES)

@@ -60,6 +60,9 @@ def check_before_tensorflow(config, role, *, task, tf_config):
     models.check_name(config.model)
   if role is Role.TRAINER and config.strategy == "parameter_server":
     strategies.check_parameter_server_task(tf_config)
+  if role is Role.TRAINER and config.data_service:
+    from tfdist import service_address  # pylint: disable=g-import-not-at-top
+    service_address.check_reachable(config.data_service)
 
 
 def ensure_writable_dir(path):

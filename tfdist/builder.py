@@ -20,6 +20,7 @@ from tfdist import compiled_loops
 from tfdist import compression
 from tfdist import config as config_lib
 from tfdist import data
+from tfdist.data import service as data_service
 from tfdist import devices
 from tfdist import ema
 from tfdist import evaluation
@@ -279,8 +280,20 @@ def _input_pipelines(info):
 
 def _inputs(config, info, task):
   if task.controls_input:
+    if config.data_service:
+      raise ConfigError(f"{task.display_name} makes its own input "
+                        "(train_input): --data_service serves tfdist's own "
+                        "pipeline only.")
     return data.inputs_from_task(task, global_batch_size=config.batch_size,
                                  eval_steps_requested=config.eval_steps)
+  if config.data_service:
+    return data.served_inputs(
+        task.data(), service=data_service.Service(
+            address=config.data_service, mode=config.data_service_mode),
+        reader=data_service.reader_for(info),
+        global_batch_size=config.batch_size, seed=config.seed,
+        eval_steps_requested=config.eval_steps, cache=config.cache,
+        shuffle_buffer=config.shuffle_buffer)
   return data.inputs_from_dataset(
       task.data(), global_batch_size=config.batch_size,
       eval_steps_requested=config.eval_steps,

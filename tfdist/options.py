@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any, Optional, Tuple
 
 from tfdist import optimizers
+from tfdist import service_address
 from tfdist import strategies
 
 # Sections, in the order --helpfull shows them.
@@ -170,6 +171,16 @@ OPTIONS = (
        "buffer, or for data streamed from files a window of records "
        "(held serialized, after the file order is shuffled each epoch).",
        "task", above=0),
+    _o("data_service", "", "grpc://HOST:PORT of a tf.data service "
+       "dispatcher: the train pipeline, up to and including batching, runs "
+       "on its data workers (launch.local --data_workers=K starts them). "
+       "Eval stays on the trainers.", "task"),
+    _enum("data_service_mode", "dynamic", service_address.MODES,
+          "How the data workers split the train stream. dynamic: each "
+          "slice of an epoch goes to one data worker (an epoch is read once; "
+          "a lost data worker loses the rest of its slice). "
+          "parallel_epochs: every data worker reads all of it, in an order "
+          "of its own.", "task"),
     _o("synthetic_shape", (8, 8, 1), "Input shape of --dataset=synthetic.",
        "task", "ints", above=0),
     _o("synthetic_classes", 10, "Classes of --dataset=synthetic.", "task",

@@ -7,6 +7,7 @@
   sharding  which host reads what: --input_sharding
   cache     what is cached: --cache
   pipeline  the train and eval input functions, and Inputs
+  service   train input on the tf.data service (service_units: its units)
 """
 
 from tfdist.data.catalog import load
@@ -20,6 +21,7 @@ from tfdist.data.pipeline import eval_input_fn
 from tfdist.data.pipeline import eval_steps
 from tfdist.data.pipeline import inputs_from_dataset
 from tfdist.data.pipeline import inputs_from_task
+from tfdist.data.pipeline import served_inputs
 from tfdist.data.pipeline import train_input_fn
 from tfdist.data.sharding import resolve_sharding
 from tfdist.data.sources import Dataset
@@ -31,4 +33,5 @@ __all__ = ["Dataset", "FileData", "Inputs", "SHUFFLE_BUFFER",
            "SYNTHETIC_EVAL_STEPS", "describe_plan_change", "eval_input_fn", "eval_steps", "file_dataset",
            "features_spec", "from_user", "inputs_from_dataset",
            "inputs_from_task", "load", "resolve_sharding", "sample_batch",
+           "served_inputs",
            "train_input_fn"]

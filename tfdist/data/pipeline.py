@@ -17,6 +17,7 @@ import tensorflow as tf
 from tfdist.data import cache as cache_lib
 from tfdist.data import order
 from tfdist.data import sharding as sharding_lib
+from tfdist.data import service as service_lib
 from tfdist.data import sources
 from tfdist.errors import ConfigError
 
@@ -295,6 +296,29 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
       sample=sources.sample_batch(dataset),
       features_spec=sources.features_spec(dataset),
       image_input=dataset.input_shape is not None)
+
+
+def served_inputs(dataset: sources.Dataset, *, service, reader,
+                  global_batch_size, seed, eval_steps_requested=0,
+                  cache="auto", shuffle_buffer=SHUFFLE_BUFFER) -> Inputs:
+  """tfdist's own pipeline with its train part on the tf.data service
+  (tfdist.data.service); eval stays here."""
+  train_fn = service_lib.served_train_fn(
+      dataset, service=service, reader=reader,
+      global_batch_size=global_batch_size, seed=seed,
+      shuffle_buffer=shuffle_buffer, uses_python=sources.calls_python)
+  local = inputs_from_dataset(
+      dataset, global_batch_size=global_batch_size,
+      eval_steps_requested=eval_steps_requested, cache=cache,
+      shuffle_buffer=shuffle_buffer)
+  return dataclasses.replace(
+      local, train_fn=lambda start_step, _seed: train_fn(start_step),
+      plan={"sharding": f"tf.data service ({service.mode})",
+            "train_examples": dataset.num_train_examples,
+            "train_files": dataset.num_train_files,
+            "shuffle_buffer": shuffle_buffer})
+
+
 def _plan(dataset, mode, num_hosts, shuffle_buffer):
   return {"sharding": mode, "input_pipelines": num_hosts if mode == "file"
           else 1, "train_examples": dataset.num_train_examples,

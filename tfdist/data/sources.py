@@ -62,18 +62,34 @@ def _graph_def(dataset, policy):
       external_state_policy=policy, strip_device_assignment=True)
 
 
-def reads_files(dataset):
-  """Whether a tf.data pipeline reads files (TF's auto-shard rewrite looks
-  for the same reader ops): such a pipeline is streamed, not cached."""
+_PYTHON_OPS = frozenset(("EagerPyFunc", "PyFunc", "PyFuncStateless"))
+
+
+def _graph_ops(dataset):
+  """The op types of a pipeline's graph, its functions' included; None
+  when it cannot be serialized (a generator, say)."""
   try:
     graph = tf.compat.v1.GraphDef.FromString(
         _graph_def(dataset, _WARN).numpy())
   except (tf.errors.OpError, ValueError):
-    return False  # Not serializable (a generator, say): not from files.
+    return None
   ops = {node.op for node in graph.node}
   for function in graph.library.function:
     ops.update(node.op for node in function.node_def)
-  return bool(ops & _FILE_READERS)
+  return ops
+
+
+def reads_files(dataset):
+  """Whether a tf.data pipeline reads files (TF's auto-shard rewrite looks
+  for the same reader ops): such a pipeline is streamed, not cached."""
+  return bool((_graph_ops(dataset) or set()) & _FILE_READERS)
+
+
+def calls_python(dataset):
+  """Whether a pipeline runs Python (py_function, numpy_function, a
+  generator): what the tf.data service cannot run on its data workers."""
+  ops = _graph_ops(dataset)
+  return ops is None or bool(ops & _PYTHON_OPS)
 
 
 def count(dataset):

@@ -1,0 +1,182 @@
+"""Train input on the tf.data service, with TF's own dispatcher and data
+workers as real processes (launch.local --data_workers), from a module
+outside the repository (tests/user_files.py as mymod): with dynamic
+sharding and 2 data workers an epoch trains each example id exactly once
+on one trainer and on 2 MultiWorkerMirrored trainers (which end at
+exactly --train_steps); parameter servers train on it; a data worker
+killed, the dispatcher restarted and a trainer preempted each leave the
+run finishing at exactly --train_steps, logged, with a fresh job after
+the resume; a bad address, a dispatcher that is down and a pipeline that
+calls Python are one line each."""
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import portpicker
+import pytest
+
+import artifacts
+import user_files
+from conftest import LauncherProcess
+from conftest import user_project
+from test_cli_errors import _assert_one_line_error
+from test_file_runs import USER
+from test_file_runs import _logged_ids
+
+EPOCH_STEPS = user_files.NUM_FILES * user_files.PER_FILE // 32  # 16
+
+
+@pytest.fixture
+def outside(tmp_path):
+  user_files.write(str(tmp_path / "files"))
+  project = user_project(tmp_path, "user_files.py", "mymod.py")
+  yield project
+  # A test that failed midway leaves no launcher (its tasks and service
+  # die with it).
+  for run in _RUNS:
+    if run.proc.poll() is None:
+      run.proc.kill()
+      run.proc.wait()
+  _RUNS.clear()
+
+
+_RUNS = []
+
+
+def _served_run(outside, tmp_path, launcher_args, train_args, sleep="0"):
+  ids_dir = tmp_path / "ids"
+  ids_dir.mkdir(exist_ok=True)
+  model_dir = str(tmp_path / "run")
+  run = LauncherProcess(
+      ["--isolate=off", *launcher_args],
+      [*USER, "--eval_every=0", "--checkpoint_every=1000", "--log_every=4",
+       f"--model_dir={model_dir}", *train_args],
+      env={"USER_FILES": str(tmp_path / "files"),
+           "USER_IDS_DIR": str(ids_dir), "USER_SLEEP": sleep},
+      module="tfdist.launch.local", cwd=outside)
+  _RUNS.append(run)
+  return run, model_dir, str(ids_dir)
+
+
+def _every_id(times):
+  return collections.Counter(
+      {i: times for i in range(user_files.NUM_FILES * user_files.PER_FILE)})
+
+
+@pytest.mark.parametrize("trainers", [1, 2])
+def test_an_epoch_on_two_data_workers_trains_each_example_once(
+    outside, tmp_path, trainers):
+  """Dynamic sharding: each slice of the epoch goes to one data worker;
+  2 MultiWorkerMirrored trainers read in round-robin and stop together."""
+  strategy = "multi_worker_mirrored" if trainers == 2 else "default"
+  run, model_dir, ids_dir = _served_run(
+      outside, tmp_path, [f"--workers={trainers}", "--data_workers=2",
+                          "--max_restarts=0"],
+      [f"--strategy={strategy}", f"--train_steps={EPOCH_STEPS}"])
+  code, output = run.finish(timeout=300)
+  assert code == 0, output[-3000:]
+  assert "a dispatcher and 2 data workers" in output
+  assert re.search(r"Input: tf.data service grpc://127.0.0.1:\d+ \(dynamic\)"
+                   rf", job tfdist-\w+-s0-b32", output), output[-3000:]
+  assert artifacts.checkpoint_step(model_dir) == EPOCH_STEPS
+  assert _logged_ids(ids_dir) == _every_id(1)
+
+
+def test_parameter_servers_train_on_the_service(outside, tmp_path):
+  run, model_dir, ids_dir = _served_run(
+      outside, tmp_path, ["--workers=2", "--ps=1", "--chief",
+                          "--data_workers=2", "--max_restarts=0"],
+      ["--strategy=parameter_server", f"--train_steps={EPOCH_STEPS}"])
+  code, output = run.finish(timeout=300)
+  assert code == 0, output[-3000:]
+  assert re.search(r"chief:0 \| .*Input: tf.data service \S+ \(dynamic\), "
+                   r"job tfdist-\w+-s0-b32\.", output), output[-3000:]
+  assert artifacts.checkpoint_step(model_dir) == EPOCH_STEPS
+  # Every step trained on served batches of the files' examples. (Read
+  # first come, first served, later epochs' units start before this one's
+  # are used up: an epoch's steps are not its examples exactly once.)
+  counts = _logged_ids(ids_dir)
+  assert sum(counts.values()) == EPOCH_STEPS * 32
+  assert set(counts) <= set(_every_id(1))
+
+
+def _pid_of(output, name):
+  found = re.findall(rf"{re.escape(name)}=(\d+)", output)
+  return int(found[-1])
+
+
+@pytest.mark.serial
+def test_faults_of_the_service_and_a_preempted_trainer(outside, tmp_path):
+  """A data worker SIGKILLed, then the dispatcher, then a trainer
+  preempted: the run ends at exactly --train_steps and the resumed
+  trainer reads a fresh job, named for its resume step."""
+  steps = 10 * EPOCH_STEPS
+  run, model_dir, _ = _served_run(
+      outside, tmp_path, ["--workers=1", "--data_workers=2",
+                          "--max_restarts=1"],
+      [f"--train_steps={steps}", "--checkpoint_every=40"], sleep="0.03")
+  run.wait_for(lambda l: f"train step 20/{steps}" in l)
+  head = "".join(run.lines)
+  os.kill(_pid_of(head, "data_worker:0"), signal.SIGKILL)
+  run.wait_for(lambda l: "data_worker:0" in l and "a replacement joins" in l)
+  run.wait_for(lambda l: re.search(rf"train step (6|7|8)\d/{steps}", l))
+  os.kill(_pid_of(head, "dispatcher"), signal.SIGKILL)
+  run.wait_for(lambda l: "dispatcher" in l and "restarted from its "
+               "work_dir" in l)
+  run.wait_for(lambda l: re.search(rf"train step 1[0-4]\d/{steps}", l))
+  os.kill(run.pids["worker:0"], signal.SIGTERM)
+  code, output = run.finish(timeout=400)
+  assert code == 0, output[-4000:]
+  assert artifacts.checkpoint_step(model_dir) == steps
+  resumed = int(re.search(r"Resumed from \S+ at step (\d+)", output).group(1))
+  assert 100 <= resumed < steps
+  jobs = re.findall(r"job (tfdist-\w+-s(\d+)-b32)", output)
+  assert [int(step) for _, step in jobs] == [0, resumed], jobs
+  assert jobs[0][0] != jobs[1][0]
+  for name in ("data_worker:0", "dispatcher"):
+    faults = [l for l in output.splitlines()
+              if l.startswith(f"[launch] tf.data service: {name} ")]
+    assert len(faults) == 1, faults
+
+
+def _train(args, cwd, env=None, timeout=120):
+  return subprocess.run(
+      [sys.executable, "-m", "tfdist.train", *USER, "--train_steps=4",
+       *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+      env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("address,expected", [
+    ("nonsense", "--data_service takes grpc://HOST:PORT. Received: "
+     "--data_service=nonsense"),
+    ("grpc://127.0.0.1:{free}", "no tf.data dispatcher answers there"),
+])
+def test_a_bad_or_silent_address_is_one_line(outside, tmp_path, address,
+                                             expected):
+  address = address.format(free=portpicker.pick_unused_port())
+  model_dir = tmp_path / "never"
+  start = time.monotonic()
+  proc = _train([f"--data_service={address}", f"--model_dir={model_dir}"],
+                outside, env={"USER_FILES": str(tmp_path / "files")})
+  _assert_one_line_error(proc, expected)
+  assert time.monotonic() - start < 60
+  assert not model_dir.exists()
+
+
+def test_a_pipeline_that_calls_python_is_one_line(outside, tmp_path):
+  run, model_dir, _ = _served_run(
+      outside, tmp_path, ["--workers=1", "--data_workers=1",
+                          "--max_restarts=0"],
+      ["--dataset=mymod:python_parse", "--train_steps=4"])
+  code, output = run.finish(timeout=200)
+  assert code != 0
+  assert "Traceback" not in output
+  errors = [l for l in output.splitlines() if "tfdist: error:" in l]
+  assert len(errors) == 1, output[-3000:]
+  assert "calls Python (tf.py_function or tf.numpy_function)" in errors[0]
+  assert not os.path.exists(os.path.join(model_dir, "checkpoint"))

@@ -1,0 +1,105 @@
+"""The stream a tf.data service job serves, cut into units the dispatcher
+hands out one at a time (tfdist.data.service).
+
+Unit u is slice u % S of epoch u // S. A slice of a split read from files
+is every S-th file of the epoch's file order, interleaved and shuffled
+within the slice; a slice of other data is every S-th example of the
+epoch's shuffle. Each unit is read whole by one data worker and shuffled
+on its own, so units never mix: under round-robin reads an epoch's units
+end together, and a resume at example k starts at the unit that k's share
+of its epoch reached.
+"""
+
+from absl import logging
+import tensorflow as tf
+
+from tfdist.data import order
+from tfdist.data import service
+
+def _seed_of(seed, unit):
+  return order.epoch_seed(tf.cast(seed, tf.int64), unit)
+
+
+def slices_per_epoch(dataset):
+  """S: units per epoch."""
+  split = dataset.file_split
+  if split is not None:
+    return max(1, len(split.paths) // service.SLICE_FILES)
+  if dataset.num_train_examples is None:
+    return 1
+  return max(1, min(service.IN_MEMORY_SLICES, dataset.num_train_examples))
+
+
+def _file_unit(split, slices, buffer):
+  paths = tf.constant(split.paths)
+  num_files = len(split.paths)
+
+  def records(unit, seed):
+    epoch, part = unit // slices, unit % slices
+    files = order.file_order(num_files, seed, epoch)[part::slices]
+    read = tf.data.Dataset.from_tensor_slices(tf.gather(paths, files))
+    return read.interleave(
+        split.reader, cycle_length=order.CYCLE, block_length=1,
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).shuffle(
+            buffer, seed=_seed_of(seed, unit))
+  return records
+
+
+def _example_unit(dataset, slices, buffer):
+  size = dataset.num_train_examples
+  shuffled = min(size, buffer) if size else buffer
+
+  def examples(unit, seed):
+    epoch, part = unit // slices, unit % slices
+    # The same seed for every slice of an epoch: one permutation, cut.
+    return dataset.train_source().shuffle(
+        shuffled, seed=_seed_of(seed, epoch),
+        reshuffle_each_iteration=False).shard(slices, part)
+  return examples
+
+
+def first_unit(dataset, start_example):
+  """The unit a resume at `start_example` starts at."""
+  slices = slices_per_epoch(dataset)
+  total = (sum(dataset.file_split.counts) if dataset.file_split is not None
+           else dataset.num_train_examples)
+  if total is None:
+    if start_example:
+      logging.warning("%s: its size is unknown, so a resume on the tf.data "
+                      "service starts its epochs again.", dataset.name)
+    return 0
+  epoch, into = divmod(start_example, total)
+  return epoch * slices + into * slices // total
+
+
+def served_examples(dataset, *, mode, seed, start_example, buffer):
+  """Parsed, unbatched examples in units (see the module docstring)."""
+  slices = slices_per_epoch(dataset)
+  split = dataset.file_split
+  unit = (_file_unit(split, slices, buffer) if split is not None
+          else _example_unit(dataset, slices, buffer))
+  if mode == "parallel_epochs":
+    # Each data worker runs the whole stream in an order of its own: a
+    # seed drawn where it runs.
+    seeds = tf.data.Dataset.range(1).map(
+        lambda _: tf.cast(tf.timestamp() * 1e6, tf.int64))
+    examples = seeds.flat_map(lambda s: tf.data.Dataset.range(
+        order.FOREVER).flat_map(lambda u: unit(u, s)))
+  else:
+    examples = tf.data.Dataset.range(
+        first_unit(dataset, start_example), order.FOREVER).flat_map(
+            lambda u: unit(u, tf.constant(seed, tf.int64)))
+  if split is not None:
+    examples = examples.map(split.parse, num_parallel_calls=tf.data.AUTOTUNE,
+                            deterministic=True)
+  return examples
+
+
+def served_batches(dataset, *, mode, seed, start_example, batch_size, buffer):
+  examples = served_examples(dataset, mode=mode, seed=seed,
+                             start_example=start_example, buffer=buffer)
+  if dataset.augment is not None:
+    examples = examples.map(dataset.augment,
+                            num_parallel_calls=tf.data.AUTOTUNE,
+                            deterministic=True)
+  return examples.batch(batch_size, drop_remainder=True)
