@@ -180,3 +180,23 @@ def test_a_pipeline_that_calls_python_is_one_line(outside, tmp_path):
   assert len(errors) == 1, output[-3000:]
   assert "calls Python (tf.py_function or tf.numpy_function)" in errors[0]
   assert not os.path.exists(os.path.join(model_dir, "checkpoint"))
+
+
+def test_tensorboard_shows_the_input_wait_per_step(tmp_path, monkeypatch):
+  """A step's wait for its batch is measured in the train loop: about the
+  4 ms per example a slow augment sleeps, on any CPU."""
+  import tfdist
+  files = tmp_path / "files"
+  user_files.write(str(files))
+  monkeypatch.setenv(user_files.FILES_ENV, str(files))
+  model_dir = tmp_path / "slow"
+  tfdist.train(model="user_files:build", dataset="user_files:slow_augment",
+               model_dir=str(model_dir), train_steps=12, log_every=4,
+               batch_size=32, steps_per_loop=1, eval_every=0, export=False,
+               cache="off")
+  waits = [wait for _, wait in artifacts.scalars(model_dir / "train",
+                                                 "input_wait_ms")]
+  assert len(waits) == 3, waits
+  # 32 examples of 4 ms each: at least 16 ms a step even if the augment
+  # ran on 8 threads at once.
+  assert min(waits[1:]) > 16, waits

@@ -136,3 +136,17 @@ def python_parse():
     return {"x": x, "id": features["id"]}, label
   return tfdist.FileData(train=data_.train, eval=data_.eval,
                          parse=through_python, num_classes=NUM_CLASSES)
+
+
+def slow_augment():
+  """An augment that sleeps 4 ms per example (in Python): a run whose
+  steps wait for their input."""
+  data_ = data()
+
+  def slow(features, label):
+    delayed = tf.py_function(lambda v: (time.sleep(0.004), v)[1],
+                             [features["x"]], tf.float32)
+    delayed.set_shape([4])
+    return {"x": delayed, "id": features["id"]}, label
+  return tfdist.FileData(train=data_.train, eval=data_.eval, parse=parse,
+                         augment=slow, num_classes=NUM_CLASSES)

@@ -298,10 +298,19 @@ class LoopFunctions:
     in the reduced vector."""
     run = self._strategy.run
     state = run(self.train_zeros)
+    waited = tf.constant(0.0, tf.float64)
     for index in tf.range(num_steps):
-      state = run(self.train_step,
-                  args=(next(iterator), state, index, compressed))
-    return self._reduce(self.wire.pack_train, state, stop)
+      # Two stamps bracket the wait for the batch (LoopSums.input_wait).
+      before = tf.timestamp()
+      with tf.control_dependencies([before]):
+        batch = next(iterator)
+      with tf.control_dependencies(tf.nest.flatten(batch,
+                                                   expand_composites=True)):
+        waited += tf.timestamp() - before
+      state = run(self.train_step, args=(batch, state, index, compressed))
+    reduced = self._reduce(self.wire.pack_train, state, stop)
+    return tf.concat([reduced, tf.reshape(tf.cast(waited, reduced.dtype),
+                                          [1])], 0)
 
   def eval_steps(self, iterator, num_steps, stop):
     run = self._strategy.run

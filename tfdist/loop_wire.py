@@ -28,6 +28,9 @@ class LoopSums:
   # Some task got SIGTERM: every task stops after this call (the flag
   # travels in the reduced vector, so all of them see it at once).
   stop: bool = False
+  # Train: seconds this host's loop waited for its batches (not reduced
+  # over hosts: the last slot of a train call's vector).
+  input_wait: float = 0.0
 
   def add(self, other: "LoopSums") -> "LoopSums":
     first = self.first_nonfinite
@@ -40,7 +43,8 @@ class LoopSums:
                     loss_sum=self.loss_sum + other.loss_sum,
                     examples=self.examples + other.examples,
                     first_nonfinite=first, metric_states=states,
-                    stop=self.stop or other.stop)
+                    stop=self.stop or other.stop,
+                    input_wait=self.input_wait + other.input_wait)
 
 
 class TrainState(NamedTuple):
@@ -106,7 +110,8 @@ class LoopWire:
         steps=num_steps, loss_sum=float(vector[0]),
         first_nonfinite=int(bad[0]) if bad.size else None,
         stop=bool(vector[stop_slot] > 0),
-        metric_states=self._unpack_metrics(vector[stop_slot + 1:]))
+        metric_states=self._unpack_metrics(vector[stop_slot + 1:-1]),
+        input_wait=float(vector[-1]))
 
   def unpack_eval(self, vector, num_steps) -> LoopSums:
     vector = np.asarray(vector, np.float64)

@@ -84,6 +84,10 @@ class _Meter:
       values.update(self._metrics.results(self.sums.metric_states))
     values["steps_per_sec"] = steps / seconds
     values["examples_per_sec"] = steps * self._global_batch_size / seconds
+    # Milliseconds a step waited for its batch: input-bound when it is a
+    # large share of 1000 / steps_per_sec.
+    values["input_wait_ms"] = (1000 * self.sums.input_wait / steps
+                               if steps else 0.0)
     return values
 
 
@@ -376,8 +380,10 @@ class Trainer:
     rate = (step - first_step) / max(elapsed, 1e-9)
     eta = datetime.timedelta(seconds=round((total - step) / max(rate, 1e-9)))
     shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()
-                      if k not in ("steps_per_sec", "examples_per_sec"))
-    logging.info("train step %d/%d: %s  %.0f examples/s  ETA %s", step, total,
-                 shown, metrics["examples_per_sec"], eta)
+                      if k not in ("steps_per_sec", "examples_per_sec",
+                                   "input_wait_ms"))
+    logging.info("train step %d/%d: %s  %.0f examples/s  input wait %.1f "
+                 "ms/step  ETA %s", step, total, shown,
+                 metrics["examples_per_sec"], metrics["input_wait_ms"], eta)
     self._summaries.scalars("train", step, {
         **metrics, "learning_rate": self._learning_rate(step)})
