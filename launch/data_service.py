@@ -3,6 +3,7 @@ them.
 
 python -m launch.data_service dispatcher --port=P --work_dir=DIR
 python -m launch.data_service worker --dispatcher=HOST:P [--port=0]
+    [--worker_address=HOST:%port%]
 
 A dispatcher keeps its state in `--work_dir` (fault-tolerant mode), so
 one restarted on the same port takes up the jobs it was serving. A data
@@ -41,6 +42,7 @@ def _serve(args):
   else:
     server = service.WorkerServer(service.WorkerConfig(
         dispatcher_address=args.dispatcher, port=args.port,
+        worker_address=args.worker_address or None,
         heartbeat_interval_ms=HEARTBEAT_MS))
     print(f"data worker serving {args.dispatcher}", flush=True)
   server.join()
@@ -52,6 +54,10 @@ def main(argv=None):
   parser.add_argument("--port", type=int, default=0)
   parser.add_argument("--work_dir", default="")
   parser.add_argument("--dispatcher", default="")
+  parser.add_argument("--worker_address", default="",
+                      help="HOST:PORT the trainers reach this data worker "
+                      "at (%%port%% stands for its port); default "
+                      "localhost:%%port%%.")
   args = parser.parse_args(argv)
   if args.role == "dispatcher" and not (args.port and args.work_dir):
     parser.error("a dispatcher needs --port and --work_dir")

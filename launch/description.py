@@ -25,11 +25,17 @@ class ClusterDescription:
   evaluator: bool = False
   min_workers: Optional[int] = None
   max_workers: Optional[int] = None
+  # A tf.data service beside the job: a dispatcher and this many data
+  # workers (not in TF_CONFIG: the trainers get --data_service).
+  data_workers: int = 0
 
   def __post_init__(self):
     if self.workers < 0 or self.ps < 0:
       raise ValueError(f"task counts must be >= 0. Received: "
                        f"workers={self.workers}, ps={self.ps}")
+    if self.data_workers < 0:
+      raise ValueError(f"--data_workers must be >= 0. Received: "
+                       f"--data_workers={self.data_workers}")
     if self.elastic and not (
         1 <= self.min_workers <= self.workers <= self.max_workers):
       raise ValueError(f"--workers=MIN:MAX needs 1 <= MIN <= MAX. Received: "
@@ -49,6 +55,12 @@ class ClusterDescription:
     counts = {"chief": int(self.chief), "worker": self.workers,
               "ps": self.ps, "evaluator": int(self.evaluator)}
     return {role: n for role, n in counts.items() if n}
+
+  def service_counts(self) -> Dict[str, int]:
+    """The tf.data service's roles, outside the TF cluster."""
+    if not self.data_workers:
+      return {}
+    return {"dispatcher": 1, "data_worker": self.data_workers}
 
 
 def worker_count(text):
@@ -80,14 +92,25 @@ def add_arguments(parser, *, workers_default=1, elastic=False):
                       "cluster.")
 
 
+def add_data_workers_argument(parser):
+  """--data_workers, for a launcher that starts a tf.data service."""
+  parser.add_argument("--data_workers", type=int, default=0,
+                      help="Start a tf.data service beside the job: a "
+                      "dispatcher (fault-tolerant, with a work_dir) and "
+                      "this many data workers; the trainers get "
+                      "--data_service. 0: none (default).")
+
+
 def from_args(args) -> ClusterDescription:
+  service = {"data_workers": getattr(args, "data_workers", 0)}
   if isinstance(args.workers, tuple):
     low, high = args.workers
     return ClusterDescription(workers=high, min_workers=low,
                               max_workers=high, chief=args.chief,
-                              ps=args.ps, evaluator=args.evaluator)
+                              ps=args.ps, evaluator=args.evaluator,
+                              **service)
   return ClusterDescription(workers=args.workers, chief=args.chief,
-                            ps=args.ps, evaluator=args.evaluator)
+                            ps=args.ps, evaluator=args.evaluator, **service)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,8 @@
 python -m launch.k8s --name=JOB --image=IMAGE [--chief] --workers=N
     [--ps=M] [--evaluator] [--gpus_per_worker=G] [--cpu=2] [--memory=4Gi]
     [--namespace=NS] [--port=2222] [--volume=pvc:CLAIM:/mount ...]
-    [--format=jobs|tfjob] [--output=FILE] -- <tfdist.train flags>
+    [--data_workers=K] [--format=jobs|tfjob] [--output=FILE]
+    -- <tfdist.train flags>
 
 --format=jobs (default) writes, for `kubectl apply -f`:
 - a headless Service whose name is the pods' subdomain, so task i of a role
@@ -14,6 +15,13 @@ python -m launch.k8s --name=JOB --image=IMAGE [--chief] --workers=N
 - a NetworkPolicy that admits the training port only from pods of the same
   job: TF's gRPC servers have no authentication.
 --format=tfjob writes a Kubeflow TFJob; its operator sets TF_CONFIG.
+
+--data_workers=K adds, in either format, a tf.data service: a dispatcher
+Deployment (one pod, its journal in an emptyDir that outlives a container
+restart) behind a Service <job>-dispatcher, and a Deployment of K data
+workers, each advertising its pod IP; the trainers get
+--data_service=grpc://<job>-dispatcher:DISPATCHER_PORT, and the
+NetworkPolicy admits the service's ports from the job's pods.
 
 Both formats mount every --volume in every pod: a model_dir inside the
 container's own filesystem is lost when the container restarts, and a
@@ -37,6 +45,8 @@ ROLE_LABEL = "tfdist.dev/role"
 JOB_LABEL = "tfdist.dev/job"
 TFJOB_ROLES = {"chief": "Chief", "worker": "Worker", "ps": "PS",
                "evaluator": "Evaluator"}
+DISPATCHER_PORT, DATA_WORKER_PORT = 5050, 5051
+DISPATCHER_WORK_DIR = "/tfdist-dispatcher"
 
 
 def parse_args(argv):
@@ -57,6 +67,7 @@ def parse_args(argv):
                       help="Mount a volume in every pod, repeatable: "
                       "pvc:CLAIM:/mount, hostPath:/node/path:/mount, or "
                       "emptyDir:/mount (single-pod tests only).")
+  description.add_data_workers_argument(parser)
   parser.add_argument("--format", choices=("jobs", "tfjob"), default="jobs")
   parser.add_argument("--output", default=None, help="Write here, not "
                       "stdout.")
@@ -73,6 +84,12 @@ def parse_args(argv):
     args.volumes = [parse_volume(v) for v in args.volume]
   except ValueError as e:
     parser.error(str(e))
+  if args.cluster.data_workers:
+    if _flag_value(args.train_args, "data_service"):
+      parser.error("--data_workers starts a tf.data service and passes its "
+                   "address: drop --data_service from the train flags")
+    args.train_args = [*args.train_args,
+                       f"--data_service={dispatcher_address(args)}"]
   warning = model_dir_warning(args.train_args, args.volumes)
   if warning:
     sys.stderr.write(f"python -m launch.k8s: warning: {warning}\n")
@@ -145,6 +162,60 @@ def addresses(args):
   return {role: [f"{args.name}-{role}-{i}.{args.name}:{args.port}"
                  for i in range(count)]
           for role, count in args.cluster.counts().items()}
+
+
+def dispatcher_address(args):
+  return f"grpc://{args.name}-dispatcher:{DISPATCHER_PORT}"
+
+
+def _deployment(args, role, replicas, container, **pod_fields):
+  labels = {JOB_LABEL: args.name, ROLE_LABEL: role}
+  return {
+      "apiVersion": "apps/v1", "kind": "Deployment",
+      "metadata": _metadata(args, f"{args.name}-{role.replace('_', '-')}",
+                            role),
+      "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
+               "template": {"metadata": {"labels": labels},
+                            "spec": {**pod_fields,
+                                     "containers": [container]}}}}
+
+
+def service_manifests(args):
+  """The tf.data service's Service and Deployments (--data_workers)."""
+  count = args.cluster.data_workers
+  if not count:
+    return []
+  base = ["python", "-m", "tfdist.launch.data_service"]
+  dispatcher = {
+      "name": "dispatcher", "image": args.image,
+      "command": [*base, "dispatcher", f"--port={DISPATCHER_PORT}",
+                  f"--work_dir={DISPATCHER_WORK_DIR}"],
+      "ports": [{"name": "dispatcher", "containerPort": DISPATCHER_PORT}],
+      "volumeMounts": [{"name": "journal",
+                        "mountPath": DISPATCHER_WORK_DIR}]}
+  worker = {
+      "name": "data-worker", "image": args.image,
+      "command": [*base, "worker",
+                  f"--dispatcher={args.name}-dispatcher:{DISPATCHER_PORT}",
+                  f"--port={DATA_WORKER_PORT}",
+                  f"--worker_address=$(POD_IP):{DATA_WORKER_PORT}"],
+      "ports": [{"name": "data-worker", "containerPort": DATA_WORKER_PORT}],
+      "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {
+          "fieldPath": "status.podIP"}}}]}
+  for container in (dispatcher, worker):
+    resources = _resources(args, "data_service")
+    if resources:
+      container["resources"] = resources
+  return [
+      {"apiVersion": "v1", "kind": "Service",
+       "metadata": _metadata(args, f"{args.name}-dispatcher", "dispatcher"),
+       "spec": {"selector": {JOB_LABEL: args.name,
+                             ROLE_LABEL: "dispatcher"},
+                "ports": [{"name": "dispatcher", "port": DISPATCHER_PORT,
+                           "targetPort": DISPATCHER_PORT}]}},
+      _deployment(args, "dispatcher", 1, dispatcher,
+                  volumes=[{"name": "journal", "emptyDir": {}}]),
+      _deployment(args, "data_worker", count, worker)]
 
 
 def _metadata(args, name, role=None):
@@ -251,10 +322,16 @@ def job_manifests(args):
                "policyTypes": ["Ingress"],
                "ingress": [{"from": [{"podSelector": {"matchLabels": {
                    JOB_LABEL: args.name}}}],
-                            "ports": [{"protocol": "TCP",
-                                       "port": args.port}]}]},
+                            "ports": [{"protocol": "TCP", "port": port}
+                                      for port in _job_ports(args)]}]},
   })
-  return docs
+  return docs + service_manifests(args)
+
+
+def _job_ports(args):
+  if args.cluster.data_workers:
+    return [args.port, DISPATCHER_PORT, DATA_WORKER_PORT]
+  return [args.port]
 
 
 def tfjob_manifest(args):
@@ -271,7 +348,7 @@ def tfjob_manifest(args):
   return [{"apiVersion": "kubeflow.org/v1", "kind": "TFJob",
            "metadata": _metadata(args, args.name),
            "spec": {"runPolicy": {"backoffLimit": args.backoff_limit},
-                    "tfReplicaSpecs": specs}}]
+                    "tfReplicaSpecs": specs}}] + service_manifests(args)
 
 
 def render(args):

@@ -39,16 +39,9 @@ def parse_args(argv):
                       "so their gRPC ports are reachable from nowhere else "
                       "(needs root). auto: when possible (default).")
   spare.add_argument(parser)
-  parser.add_argument("--data_workers", type=int, default=0,
-                      help="Start a tf.data service beside the job: a "
-                      "dispatcher and this many data workers, each "
-                      "restarted when it exits; the trainers get "
-                      "--data_service. 0: none (default).")
+  description.add_data_workers_argument(parser)
   core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
-  if args.data_workers < 0:
-    parser.error(f"--data_workers must be >= 0. Received: "
-                 f"--data_workers={args.data_workers}")
   core.finish_args(parser, args)
   # Per task: every task is on this machine.
   args.spare_count = spare.count_from(parser, args) * sum(
@@ -85,7 +78,7 @@ def local_tasks(args, network=None):
 def _data_service(args, python, log):
   """With --data_workers: a dispatcher and its data workers for the whole
   run (every attempt), the trainers told where it is."""
-  if not args.data_workers:
+  if not args.cluster.data_workers:
     yield None
     return
   port = portpicker.pick_unused_port()
@@ -93,7 +86,7 @@ def _data_service(args, python, log):
     service = data_service.DataService(
         commands_by_name=data_service.commands(
             python=python, port=port, work_dir=work_dir,
-            data_workers=args.data_workers),
+            data_workers=args.cluster.data_workers),
         start_process=processes.start_local, log=log,
         write=lambda name, line: processes.write_line(
             sys.stdout, f"{name} | {line}"))

@@ -93,6 +93,56 @@ def test_bad_volume_is_one_line(volume, capsys):
   assert err[-1].startswith("python -m launch.k8s: error: --volume")
 
 
+@pytest.mark.parametrize("form", ["jobs", "tfjob"])
+def test_a_data_service_is_schema_valid_and_wired_to_the_trainers(form):
+  """--data_workers: a dispatcher behind its Service, data workers that
+  find it and advertise their pod IP, trainers told its address."""
+  docs = _manifests(*MWMS, "--data_workers=3", f"--format={form}", "--",
+                    "--strategy=multi_worker_mirrored", "--model_dir=gs://b/r")
+  by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+  service = by_name["Service", "mwms-dispatcher"]
+  workers = by_name["Deployment", "mwms-data-worker"]
+  deployments = [d for d in docs if d["kind"] == "Deployment"]
+  assert {d["metadata"]["name"] for d in deployments} == {
+      "mwms-dispatcher", "mwms-data-worker"}
+  for doc in docs:
+    if doc["kind"] != "TFJob":
+      kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+  dispatcher = next(d for d in deployments
+                    if d["metadata"]["name"] == "mwms-dispatcher")
+  assert dispatcher["spec"]["replicas"] == 1
+  assert workers["spec"]["replicas"] == 3
+  pod = dispatcher["spec"]["template"]
+  assert service["spec"]["selector"] == pod["metadata"]["labels"]
+  (container,) = pod["spec"]["containers"]
+  assert f"--port={k8s.DISPATCHER_PORT}" in container["command"]
+  assert {"name": "journal", "mountPath": k8s.DISPATCHER_WORK_DIR} in \
+      container["volumeMounts"]
+  (worker,) = workers["spec"]["template"]["spec"]["containers"]
+  assert f"--dispatcher=mwms-dispatcher:{k8s.DISPATCHER_PORT}" in \
+      worker["command"]
+  assert f"--worker_address=$(POD_IP):{k8s.DATA_WORKER_PORT}" in \
+      worker["command"]
+  address = f"--data_service=grpc://mwms-dispatcher:{k8s.DISPATCHER_PORT}"
+  if form == "jobs":
+    trainer = by_name["Job", "mwms-worker"]["spec"]["template"]["spec"][
+        "containers"][0]
+    assert address in trainer["command"][-1]
+    (rule,) = by_name["NetworkPolicy", "mwms-grpc"]["spec"]["ingress"]
+    assert {p["port"] for p in rule["ports"]} == {
+        2222, k8s.DISPATCHER_PORT, k8s.DATA_WORKER_PORT}
+  else:
+    trainer = by_name["TFJob", "mwms"]["spec"]["tfReplicaSpecs"]["Worker"][
+        "template"]["spec"]["containers"][0]
+    assert address in trainer["command"]
+
+
+def test_a_data_service_given_twice_is_one_line():
+  with pytest.raises(SystemExit):
+    k8s.parse_args([*MWMS, "--data_workers=1", "--",
+                    "--data_service=grpc://elsewhere:1"])
+
+
 def test_tfjob_format_is_valid_where_kubernetes_can_check_it():
   (tfjob,) = _manifests(*PS, *VOLUMES, "--format=tfjob", "--",
                         "--strategy=parameter_server", "--model_dir=/data/r")
