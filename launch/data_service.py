@@ -29,6 +29,8 @@ WORKER_TIMEOUT_MS = 4000
 HEARTBEAT_MS = 500
 MODULE = __spec__.name if __spec__ else "launch.data_service"
 LISTENING = "dispatcher listening on port"
+# On another host (launch.ssh), the installed name.
+REMOTE_MODULE = "tfdist.launch.data_service"
 
 
 def _serve(args):

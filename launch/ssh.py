@@ -4,6 +4,7 @@ TF_CONFIG, output prefixed with `role:index`.
 python -m launch.ssh --hosts=h1,h2[,...] [--chief] [--workers=N] [--ps=M]
     [--evaluator] [--port=2222] [--ssh_args='-p 22 -i KEY'] [--workdir=DIR]
     [--python=python] [--max_restarts=K] [--spares=auto|N]
+    [--data_workers=K --data_hosts=H1[,H2...] [--dispatcher_port=5050]]
     -- <tfdist.train flags>
 python -m launch.ssh --workers=MIN:MAX --host_discovery=SCRIPT
     [--hosts=CHIEF,PS...] ... -- <tfdist.train flags>
@@ -25,6 +26,12 @@ spares (launch.spare) wait on each host the tasks run on, over `ssh -T`,
 and a restart, preemption resume or membership change hands the tasks of
 that host to them; new ones start in their places.
 
+A tf.data service (--data_workers=K): a dispatcher on the first of
+--data_hosts, on --dispatcher_port, its journal in a directory of that
+host's /tmp, and K data workers spread over --data_hosts in turn, each
+over `ssh -tt` and restarted when it ends (launch.data_service); the
+trainers get --data_service.
+
 Elastic (--workers=MIN:MAX): the workers' hosts are the worker part of
 --hosts, or, with --host_discovery, the 'host:slots' lines the script
 prints (--hosts then lists only the chief, ps and evaluator hosts). A
@@ -39,8 +46,10 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 
 from . import core
+from . import data_service
 from . import description
 from . import processes
 from . import spare
@@ -64,8 +73,18 @@ def parse_args(argv):
   parser.add_argument("--python", default="python",
                       help="Remote Python that has tfdist installed.")
   spare.add_argument(parser)
+  description.add_data_workers_argument(parser)
+  parser.add_argument("--data_hosts", default="",
+                      help="With --data_workers: comma-separated hosts of "
+                      "the tf.data service, the dispatcher on the first.")
+  parser.add_argument("--dispatcher_port", type=int, default=5050)
   core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
+  args.data_hosts = [h for h in args.data_hosts.split(",") if h]
+  if bool(args.data_workers) != bool(args.data_hosts):
+    parser.error("--data_workers and --data_hosts go together. Received: "
+                 f"--data_workers={args.data_workers}, "
+                 f"--data_hosts={','.join(args.data_hosts)}")
   hosts = [h for h in args.hosts.split(",") if h]
   others = int(args.chief) + args.ps + int(args.evaluator)
   if args.workers is None:
@@ -353,22 +372,74 @@ def ssh_tasks(args, worker_hosts, spares=None):
           for s in specs]
 
 
+def service_commands(args):
+  """{name: ssh argv} of the tf.data service's processes."""
+  hosts, port = args.data_hosts, args.dispatcher_port
+  journal = f"/tmp/tfdist-dispatcher-{os.getpid()}-{int(time.time())}"
+  base = ["ssh", "-tt", *shlex.split(args.ssh_args)]
+  env = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "1"}
+  found = {"dispatcher": [*base, hosts[0], _remote_line(
+      args, env, data_service.REMOTE_MODULE,
+      ["dispatcher", f"--port={port}", f"--work_dir={journal}"])]}
+  for index in range(args.cluster.data_workers):
+    host = hosts[index % len(hosts)]
+    found[f"data_worker:{index}"] = [*base, host, _remote_line(
+        args, env, data_service.REMOTE_MODULE,
+        ["worker", f"--dispatcher={hosts[0]}:{port}",
+         f"--worker_address={host}:%port%"])]
+  return found
+
+
+def _service(args, log):
+  """The tf.data service of --data_workers over ssh, or None."""
+  if not args.cluster.data_workers:
+    return None
+
+  def start_process(argv, env):
+    return RemoteProcess(processes.start_local(argv, env),
+                         _ssh_prefix(args), argv[-2])
+  service = data_service.DataService(
+      commands_by_name=service_commands(args), start_process=start_process,
+      log=log, write=lambda name, line: processes.write_line(
+          sys.stdout, f"{name} | {line}"))
+  args.train_args = [*args.train_args, "--data_service=grpc://"
+                     f"{args.data_hosts[0]}:{args.dispatcher_port}"]
+  return service
+
+
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
 
   def log(message):
     processes.write_line(sys.stdout, f"[launch] {message}")
 
+  service = _service(args, log)
+  if service is None:
+    sys.exit(_run(args, log))
+  try:
+    service.start()
+  except RuntimeError as e:
+    service.close()
+    sys.exit(f"python -m launch.ssh: error: {e}")
+  try:
+    code = _run(args, log)
+  finally:
+    service.close()
+  sys.exit(code)
+
+
+def _run(args, log):
+  """The job itself, restarted by launch.core's policy."""
   hosts = WorkerHosts(args.worker_hosts, command=args.host_discovery,
                       min_workers=args.cluster.min_workers or 1, log=log)
   spares = (HostSpares(args, per_task=args.spares_per_task, log=log)
             if args.spares_per_task else None)
-  sys.exit(core.Launcher(
+  return core.Launcher(
       args, make_tasks=lambda a: ssh_tasks(a, hosts, spares),
       discover=hosts.discover if args.host_discovery else None,
       discover_every_seconds=args.discovery_seconds,
       drop_worker=hosts.drop, spawn=spawn(args, spares),
-      spares=spares).run())
+      spares=spares).run()
 
 
 if __name__ == "__main__":

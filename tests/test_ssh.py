@@ -89,6 +89,30 @@ def test_two_workers_over_ssh_train_to_the_end(sshd, tmp_path, data_dir):
   assert artifacts.checkpoint_step(model_dir) == 60
 
 
+def test_a_tf_data_service_on_named_hosts(sshd, tmp_path, data_dir):
+  """--data_workers over ssh: a dispatcher and 2 data workers on the named
+  host, which the 2 trainers read in round-robin to the end."""
+  model_dir = str(tmp_path / "run")
+  port = portpicker.pick_unused_port()
+  proc = subprocess.run(
+      _launch(sshd, model_dir, data_dir, "--train_steps=60",
+              launcher=["--data_workers=2", "--data_hosts=127.0.0.1",
+                        f"--dispatcher_port={port}"]),
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  assert "a dispatcher and 2 data workers" in proc.stdout
+  assert re.search(rf"worker:0 \| .*Input: tf.data service grpc://127.0.0.1:"
+                   rf"{port} \(dynamic\), job \S+, 2 trainers in "
+                   "round-robin", proc.stdout), proc.stdout[-3000:]
+  assert "data_worker:1 | data worker serving" in proc.stdout
+  assert artifacts.checkpoint_step(model_dir) == 60
+  # The remote service processes ended with their sessions.
+  left = subprocess.run(["pgrep", "-f", f"^{sys.executable} -m "
+                         "tfdist.launch.data_service"], capture_output=True,
+                        text=True).stdout
+  assert not left.split()
+
+
 def _remote_pids(marker):
   """Training processes (started by sshd), not the ssh clients."""
   out = subprocess.run(["pgrep", "-f", f"^{sys.executable} -m tfdist.train "
