@@ -184,8 +184,9 @@ def test_a_pipeline_that_calls_python_is_one_line(outside, tmp_path):
 
 def test_tensorboard_shows_the_input_wait_per_step(tmp_path, monkeypatch):
   """A step's wait for its batch is measured in the train loop: about the
-  4 ms per example a slow augment sleeps, on any CPU."""
-  import tfdist
+  4 ms per example a slow augment sleeps, and a small part of a step on
+  fast input, on any CPU."""
+  import tfdist  # pylint: disable=g-import-not-at-top
   files = tmp_path / "files"
   user_files.write(str(files))
   monkeypatch.setenv(user_files.FILES_ENV, str(files))
@@ -200,3 +201,18 @@ def test_tensorboard_shows_the_input_wait_per_step(tmp_path, monkeypatch):
   # 32 examples of 4 ms each: at least 16 ms a step even if the augment
   # ran on 8 threads at once.
   assert min(waits[1:]) > 16, waits
+  # Fast input (digits in memory) waits for a small part of a step: the
+  # wait does not count the step itself, even on one core, where TF's one
+  # inter-op thread could run the step before the second stamp.
+  fast = tmp_path / "fast"
+  proc = subprocess.run(
+      ["taskset", "-c", "0", sys.executable, "-m", "tfdist.train",
+       "--model=mlp_wide", f"--model_dir={fast}", "--train_steps=30",
+       "--log_every=10", "--batch_size=256", "--steps_per_loop=1",
+       "--eval_every=0", "--export=false"], capture_output=True, text=True,
+      timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  waits = dict(artifacts.scalars(fast / "train", "input_wait_ms"))
+  rates = dict(artifacts.scalars(fast / "train", "steps_per_sec"))
+  for step in (20, 30):
+    assert waits[step] < 0.3 * 1000 / rates[step], (waits, rates)

@@ -349,7 +349,8 @@ def _loops(config, info, task, parts, sample, local):
       grad_accum_steps=config.grad_accum_steps, clip_norm=config.clip_norm,
       reducer=parts.reducer, class_weight=class_weight,
       sharded=parts.sharded,
-      jit_compile=preflight.jit_mode(config, info, local))
+      jit_compile=preflight.jit_mode(config, info, local),
+      measure_input_wait=info.coordinator is None)
 
 
 def _checkpoint_store(config, task, parts, write_dir, input_plan):

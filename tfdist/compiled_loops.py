@@ -120,18 +120,30 @@ def _checked_per_example(task, loss):
   return loss
 
 
+def _identity_in_place(tensor):
+  with tf.device(tensor.device):
+    return tf.identity(tensor)
+
+
 class LoopFunctions:
   """Builds the replica steps and the loops over them."""
 
   def __init__(self, *, strategy, model, optimizer, task, metrics,
                global_batch_size, steps_per_loop, global_step,
                grad_accum_steps=1, clip_norm=0.0, reducer=None,
-               jit_compile="none", class_weight=None, sharded=None):
+               jit_compile="none", class_weight=None, sharded=None,
+               measure_input_wait=True):
     """`class_weight`: {class: weight} for integer labels, as Keras `fit`
     has it (training only; classes not in it weigh 1). `sharded`: a
     sharded_optimizer.ShardedUpdate, which then reduces, clips and applies
     the gradients in place of the reducer and the optimizer."""
     self._sharded = sharded
+    # The input wait reads a weight after each update: local on
+    # synchronous strategies, an RPC on parameter servers.
+    self._measure_input_wait = measure_input_wait and bool(
+        model.trainable_variables)
+    self._first_weights = (model.trainable_variables[0]
+                           if self._measure_input_wait else None)
     self._strategy = strategy
     self._model = model
     self._optimizer = optimizer
@@ -259,7 +271,13 @@ class LoopFunctions:
     first = tf.where((state.first_nonfinite < 0) &
                      tf.logical_not(tf.math.is_finite(loss)),
                      index, state.first_nonfinite)
-    return loop_wire.TrainState(state.loss + loss, first, metric_states)
+    # The loss sum waits for the update (a read of the first layer's
+    # weights, whose gradient backprop computes last, is ordered after
+    # their assignment), so that the next input wait starts after it.
+    updated = ([tf.identity(self._first_weights)]
+               if self._measure_input_wait else [])
+    with tf.control_dependencies(updated):
+      return loop_wire.TrainState(state.loss + loss, first, metric_states)
 
   @_PLAIN
   def _eval_step(self, batch, state):
@@ -298,19 +316,36 @@ class LoopFunctions:
     in the reduced vector."""
     run = self._strategy.run
     state = run(self.train_zeros)
-    waited = tf.constant(0.0, tf.float64)
+    waited = tf.constant(0.0 if self._measure_input_wait else np.nan,
+                         tf.float64)
     for index in tf.range(num_steps):
-      # Two stamps bracket the wait for the batch (LoopSums.input_wait).
-      before = tf.timestamp()
-      with tf.control_dependencies([before]):
+      if self._measure_input_wait:
+        batch, wait = self._timed_next(iterator, state)
+        waited += wait
+      else:
         batch = next(iterator)
-      with tf.control_dependencies(tf.nest.flatten(batch,
-                                                   expand_composites=True)):
-        waited += tf.timestamp() - before
       state = run(self.train_step, args=(batch, state, index, compressed))
     reduced = self._reduce(self.wire.pack_train, state, stop)
     return tf.concat([reduced, tf.reshape(tf.cast(waited, reduced.dtype),
                                           [1])], 0)
+
+  def _timed_next(self, iterator, state):
+    """The next batch and the seconds spent waiting for it, from the end
+    of the step before it (its loss sum, `state`, waits for its update)."""
+    with tf.control_dependencies(tf.nest.flatten(state,
+                                                 expand_composites=True)):
+      before = tf.timestamp()
+    with tf.control_dependencies([before]):
+      batch = next(iterator)
+    with tf.control_dependencies(tf.nest.flatten(batch,
+                                                 expand_composites=True)):
+      after = tf.timestamp()
+    # The step waits for the second stamp: one inter-op thread could
+    # otherwise run the whole step before it.
+    with tf.control_dependencies([after]):
+      batch = tf.nest.map_structure(_identity_in_place, batch,
+                                    expand_composites=True)
+    return batch, after - before
 
   def eval_steps(self, iterator, num_steps, stop):
     run = self._strategy.run

@@ -9,6 +9,7 @@ lives in the runner; this loop is the same for all of them.
 import contextlib
 import dataclasses
 import datetime
+import math
 import time
 from typing import Callable, Optional
 
@@ -85,9 +86,9 @@ class _Meter:
     values["steps_per_sec"] = steps / seconds
     values["examples_per_sec"] = steps * self._global_batch_size / seconds
     # Milliseconds a step waited for its batch: input-bound when it is a
-    # large share of 1000 / steps_per_sec.
-    values["input_wait_ms"] = (1000 * self.sums.input_wait / steps
-                               if steps else 0.0)
+    # large share of 1000 / steps_per_sec. NaN: not measured (PS).
+    if steps and not math.isnan(self.sums.input_wait):
+      values["input_wait_ms"] = 1000 * self.sums.input_wait / steps
     return values
 
 
@@ -382,8 +383,9 @@ class Trainer:
     shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()
                       if k not in ("steps_per_sec", "examples_per_sec",
                                    "input_wait_ms"))
-    logging.info("train step %d/%d: %s  %.0f examples/s  input wait %.1f "
-                 "ms/step  ETA %s", step, total, shown,
-                 metrics["examples_per_sec"], metrics["input_wait_ms"], eta)
+    wait = metrics.get("input_wait_ms")
+    waited = "" if wait is None else f"  input wait {wait:.1f} ms/step"
+    logging.info("train step %d/%d: %s  %.0f examples/s%s  ETA %s", step,
+                 total, shown, metrics["examples_per_sec"], waited, eta)
     self._summaries.scalars("train", step, {
         **metrics, "learning_rate": self._learning_rate(step)})
