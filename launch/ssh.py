@@ -81,6 +81,9 @@ def parse_args(argv):
   core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
   args.data_hosts = [h for h in args.data_hosts.split(",") if h]
+  # The dispatcher's work_dir on its host: one per launcher.
+  args.dispatcher_journal = (f"/tmp/tfdist-dispatcher-{os.getpid()}-"
+                             f"{int(time.time())}")
   if bool(args.data_workers) != bool(args.data_hosts):
     parser.error("--data_workers and --data_hosts go together. Received: "
                  f"--data_workers={args.data_workers}, "
@@ -375,7 +378,7 @@ def ssh_tasks(args, worker_hosts, spares=None):
 def service_commands(args):
   """{name: ssh argv} of the tf.data service's processes."""
   hosts, port = args.data_hosts, args.dispatcher_port
-  journal = f"/tmp/tfdist-dispatcher-{os.getpid()}-{int(time.time())}"
+  journal = args.dispatcher_journal
   base = ["ssh", "-tt", *shlex.split(args.ssh_args)]
   env = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "1"}
   found = {"dispatcher": [*base, hosts[0], _remote_line(
@@ -425,6 +428,10 @@ def main(argv=None):
     code = _run(args, log)
   finally:
     service.close()
+    subprocess.run([*_ssh_prefix(args), args.data_hosts[0],
+                    f"rm -rf {shlex.quote(args.dispatcher_journal)}"],
+                   stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
+                   check=False)
   sys.exit(code)
 
 

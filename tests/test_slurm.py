@@ -2,6 +2,7 @@
 launch/slurm.sbatch on a real one-node slurmctld/slurmd."""
 
 import os
+import re
 import sys
 
 import pytest
@@ -82,3 +83,23 @@ def test_sbatch_job_completes(slurm, strategy, extra, tmp_path, data_dir):
   assert code == 0, output[-3000:]
   assert "Finished at step 60/60" in output
   assert artifacts.checkpoint_step(model_dir) == 60
+
+
+def test_sbatch_job_with_a_tf_data_service(slurm, tmp_path, data_dir):
+  """TFDIST_DATA_WORKERS=1: a dispatcher and a data worker as job steps
+  of their own; the 2 MultiWorkerMirrored trainers read the service."""
+  model_dir = str(tmp_path / "run")
+  code, output = slurm.sbatch(
+      ["-N1", "-n4", "--export=ALL,TFDIST_DATA_WORKERS=1",
+       "launch/slurm.sbatch", "--strategy=multi_worker_mirrored",
+       f"--model_dir={model_dir}", f"--data_dir={data_dir}",
+       "--train_steps=60", "--steps_per_loop=10", "--eval_every=0",
+       "--batch_size=48"],
+      cwd=ROOT)
+  assert code == 0, output[-3000:]
+  assert re.search(r"Input: tf.data service grpc://localhost:\d+ \(dynamic\)"
+                   r", job \S+, 2 trainers in round-robin", output), \
+      output[-3000:]
+  assert "Finished at step 60/60" in output
+  assert artifacts.checkpoint_step(model_dir) == 60
+
