@@ -19,6 +19,7 @@ import argparse
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -42,12 +43,23 @@ def _serve(args):
         worker_timeout_ms=WORKER_TIMEOUT_MS))
     print(f"{LISTENING} {args.port}", flush=True)
   else:
+    address = args.worker_address
+    if address == "auto":
+      address = f"{_toward(args.dispatcher)}:%port%"
     server = service.WorkerServer(service.WorkerConfig(
         dispatcher_address=args.dispatcher, port=args.port,
-        worker_address=args.worker_address or None,
-        heartbeat_interval_ms=HEARTBEAT_MS))
+        worker_address=address or None, heartbeat_interval_ms=HEARTBEAT_MS))
     print(f"data worker serving {args.dispatcher}", flush=True)
   server.join()
+
+
+def _toward(dispatcher):
+  """This host's IP on the route to the dispatcher: the address its
+  trainers, which reach the dispatcher, can reach this host at."""
+  host, _, port = dispatcher.rpartition(":")
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+    probe.connect((host, int(port)))  # UDP: no packet is sent.
+    return probe.getsockname()[0]
 
 
 def main(argv=None):
@@ -58,7 +70,8 @@ def main(argv=None):
   parser.add_argument("--dispatcher", default="")
   parser.add_argument("--worker_address", default="",
                       help="HOST:PORT the trainers reach this data worker "
-                      "at (%%port%% stands for its port); default "
+                      "at (%%port%% stands for its port); auto: this "
+                      "host's IP on the route to the dispatcher; default "
                       "localhost:%%port%%.")
   args = parser.parse_args(argv)
   if args.role == "dispatcher" and not (args.port and args.work_dir):
@@ -75,20 +88,25 @@ _NOISE = ("All log messages before absl::InitializeLog()",
           "This TensorFlow binary is optimized", "cpu_feature_guard")
 
 
-def commands(*, python, port, work_dir, data_workers, host="127.0.0.1"):
+def commands(*, python, port, work_dir, data_workers, host="127.0.0.1",
+             module=MODULE, worker_address=""):
   """{name: argv} of a dispatcher on `port` and its data workers."""
-  base = [*python, "-m", MODULE]
+  base = [*python, "-m", module]
   found = {"dispatcher": [*base, "dispatcher", f"--port={port}",
                           f"--work_dir={work_dir}"]}
+  advertised = [f"--worker_address={worker_address}"] if worker_address \
+      else []
   for index in range(data_workers):
     found[f"data_worker:{index}"] = [*base, "worker",
-                                     f"--dispatcher={host}:{port}"]
+                                     f"--dispatcher={host}:{port}",
+                                     *advertised]
   return found
 
 
 class DataService:
   """A dispatcher and its data workers beside a job, each restarted when
-  it exits. `start_process(argv, env)` starts one (its output piped);
+  it exits. `start_process(name, argv, env)` starts one (its output
+  piped);
   `log(text)` writes a launcher line; `write(name, line)` a process's."""
 
   def __init__(self, *, commands_by_name, start_process, log, write,
@@ -126,7 +144,7 @@ class DataService:
       return dict(self._processes)
 
   def _launch(self, name):
-    process = self._start(self._commands[name], self._env)
+    process = self._start(name, self._commands[name], self._env)
     with self._lock:
       self._processes[name] = process
     threading.Thread(target=self._watch, args=(name, process),

@@ -87,7 +87,8 @@ def _data_service(args, python, log):
         commands_by_name=data_service.commands(
             python=python, port=port, work_dir=work_dir,
             data_workers=args.cluster.data_workers),
-        start_process=processes.start_local, log=log,
+        start_process=lambda _, argv, env: processes.start_local(argv, env),
+        log=log,
         write=lambda name, line: processes.write_line(
             sys.stdout, f"{name} | {line}"))
     try:

@@ -3,7 +3,7 @@
 python -m launch.ray [--address=auto] --workers=2 [--chief] [--ps=N]
     [--evaluator] [--cpus_per_task=1] [--gpus_per_task=0]
     [--placement_strategy=SPREAD|PACK] [--max_restarts=K]
-    -- <tfdist.train flags>
+    [--data_workers=K] -- <tfdist.train flags>
 python -m launch.ray --address=auto --workers=MIN:MAX ... -- <flags>
 
 One placement group holds a bundle per task. In each bundle a small actor
@@ -27,6 +27,12 @@ spare (launch.spare) waits in an actor of its own on each node the tasks
 run on, and a restart, preemption resume or membership change hands the
 node's tasks to them (RaySpares).
 
+A tf.data service (--data_workers=K): the dispatcher and each data worker
+run in an actor of their own (num_cpus=0, outside the placement group, so
+they outlive a membership change), restarted when they end; a data worker
+advertises its node's IP on the route to the dispatcher, and the trainers
+get --data_service.
+
 No task outlives the launcher: a task process gets SIGKILL when its
 actor's process dies (PR_SET_PDEATHSIG, set from a thread that lives as
 long as the actor, since Ray runs actor methods in threads), actors are
@@ -41,11 +47,13 @@ import contextlib
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
 
 from . import core
+from . import data_service
 from . import description
 from . import processes
 from . import spare
@@ -81,6 +89,7 @@ def parse_args(argv):
   parser.add_argument("--ready_timeout", type=float, default=120.0,
                       help="Seconds to wait for the placement group.")
   spare.add_argument(parser)
+  description.add_data_workers_argument(parser)
   core.add_restart_arguments(parser)
   args = parser.parse_args(argv)
   core.finish_args(parser, args)
@@ -429,7 +438,63 @@ def main(argv=None):
   sys.exit(code)
 
 
+def _service(args, log):
+  """(the tf.data service of --data_workers in actors, a function that
+  stops it and removes its journal), or (None, None)."""
+  if not args.cluster.data_workers:
+    return None, None
+  actors = {}
+
+  def actor_for(name):
+    if name not in actors or not ray_actor.alive(ray_module, actors[name]):
+      actors[name] = ray_actor.TaskActor.options(num_cpus=0).remote()
+    return actors[name]
+
+  host, _, port = ray_module.get(
+      actor_for("dispatcher").address.remote()).rpartition(":")
+  journal = f"/tmp/tfdist-dispatcher-{os.getpid()}-{int(time.time())}"
+  service = data_service.DataService(
+      commands_by_name=data_service.commands(
+          python=[sys.executable], port=int(port), host=host,
+          work_dir=journal,
+          data_workers=args.cluster.data_workers,
+          module=data_service.REMOTE_MODULE, worker_address="auto"),
+      start_process=lambda name, argv, env: ray_actor.RemoteProcess(
+          ray_module, actor_for(name), argv, env, cwd=os.getcwd()),
+      log=log, write=lambda name, line: processes.write_line(
+          sys.stdout, f"{name} | {line}"))
+  args.train_args = [*args.train_args, f"--data_service=grpc://{host}:{port}"]
+
+  def close():
+    service.close()
+    try:  # The journal, on the dispatcher's node.
+      ray_actor.RemoteProcess(
+          ray_module, actor_for("dispatcher"),
+          [sys.executable, "-c", "import shutil, sys; "
+           "shutil.rmtree(sys.argv[1], ignore_errors=True)", journal], {},
+          cwd=os.getcwd()).wait(timeout=60)
+    except (subprocess.TimeoutExpired, ray_module.exceptions.RayError):
+      pass
+    for actor in actors.values():
+      ray_actor.release(ray_module, actor)
+  return service, close
+
+
 def _launch(args, log):
+  service, close = _service(args, log)
+  if service is None:
+    return _launch_job(args, log)
+  try:
+    try:
+      service.start()
+    except RuntimeError as e:
+      return f"python -m launch.ray: error: {e}"
+    return _launch_job(args, log)
+  finally:
+    close()
+
+
+def _launch_job(args, log):
   spares = None
   if args.spares_per_task and args.gpus_per_task:
     # A spare's actor holds no GPUs, so the task it ran would see the

@@ -398,7 +398,7 @@ def _service(args, log):
   if not args.cluster.data_workers:
     return None
 
-  def start_process(argv, env):
+  def start_process(_, argv, env):
     return RemoteProcess(processes.start_local(argv, env),
                          _ssh_prefix(args), argv[-2])
   service = data_service.DataService(

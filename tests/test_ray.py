@@ -102,8 +102,11 @@ def test_multi_worker_job_survives_a_killed_actor(netns, tmp_path, data_dir):
 
 def test_parameter_server_job_ends_at_the_exact_step(netns, tmp_path,
                                                       data_dir):
+  """On a tf.data service (--data_workers) whose dispatcher and data
+  worker run in actors of their own, gone with the launcher."""
   model_dir = str(tmp_path / "run")
-  run = _launch(netns, ["--chief", "--workers=1", "--ps=1"],
+  run = _launch(netns, ["--chief", "--workers=1", "--ps=1",
+                        "--data_workers=1"],
                 ["--strategy=parameter_server", "--train_steps=300",
                  "--eval_every=0", f"--model_dir={model_dir}",
                  f"--data_dir={data_dir}"])
@@ -112,7 +115,16 @@ def test_parameter_server_job_ends_at_the_exact_step(netns, tmp_path,
   assert re.search(r"chief:0 \| Finished at step 300/300 .* eval accuracy "
                    r"0\.9", output), output[-2000:]
   assert "ps:0 | " in output and "worker:0 | " in output
+  assert re.search(r"chief:0 \| .*Input: tf.data service grpc://\S+:\d+ "
+                   r"\(dynamic\)", output), output[-3000:]
+  assert "data_worker:0 | data worker serving" in output
   assert artifacts.checkpoint_step(model_dir) == 300
+  served = re.search(r"pids dispatcher=(\d+) data_worker:0=(\d+)", output)
+  deadline = time.monotonic() + 20
+  while (any(process_alive(int(p)) for p in served.groups())
+         and time.monotonic() < deadline):
+    time.sleep(0.2)
+  assert not [p for p in served.groups() if process_alive(int(p))]
 
 
 def test_ctrl_c_leaves_no_process(netns, tmp_path, data_dir):
