@@ -185,6 +185,21 @@ def finish_args(parser, args):
                  f"--ps={args.cluster.ps}")
   if args.cluster.elastic and not args.cluster.ps:
     _check_batch_divides(parser, args)
+  if args.cluster.data_workers:
+    check_no_data_service(parser, args.train_args)
+
+
+def check_no_data_service(parser, train_args):
+  """--data_workers passes the service's address: one given in the train
+  flags as well would be overridden, silently."""
+  try:
+    given = _train_flag(train_args, "data_service")
+  except _Unreadable:
+    return  # The task reports the flagfile.
+  if given:
+    parser.error("--data_workers starts a tf.data service and passes its "
+                 "address: drop --data_service from the train flags. "
+                 f"Received: --data_service={given}")
 
 
 class Launcher:

@@ -18,7 +18,6 @@ across the job's restarts, and stopped with the launcher.
 import argparse
 import os
 import queue
-import signal
 import socket
 import sys
 import threading
@@ -30,6 +29,11 @@ WORKER_TIMEOUT_MS = 4000
 HEARTBEAT_MS = 500
 MODULE = __spec__.name if __spec__ else "launch.data_service"
 LISTENING = "dispatcher listening on port"
+SERVING = "data worker serving"
+# A process that ends this soon after its start failed to start: each such
+# failure doubles the wait before the next start, and after this many in a
+# row it is not started again.
+QUICK_SECONDS, MAX_QUICK_FAILURES, MAX_BACKOFF_SECONDS = 20.0, 5, 30.0
 # On another host (launch.ssh), the installed name.
 REMOTE_MODULE = "tfdist.launch.data_service"
 
@@ -49,7 +53,7 @@ def _serve(args):
     server = service.WorkerServer(service.WorkerConfig(
         dispatcher_address=args.dispatcher, port=args.port,
         worker_address=address or None, heartbeat_interval_ms=HEARTBEAT_MS))
-    print(f"data worker serving {args.dispatcher}", flush=True)
+    print(f"{SERVING} {args.dispatcher}", flush=True)
   server.join()
 
 
@@ -78,7 +82,8 @@ def main(argv=None):
     parser.error("a dispatcher needs --port and --work_dir")
   if args.role == "worker" and not args.dispatcher:
     parser.error("a data worker needs --dispatcher=HOST:PORT")
-  signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+  # SIGTERM keeps its default action: a Python handler would never run
+  # while the main thread waits inside the server's join().
   _serve(args)
 
 
@@ -89,25 +94,28 @@ _NOISE = ("All log messages before absl::InitializeLog()",
 
 
 def commands(*, python, port, work_dir, data_workers, host="127.0.0.1",
-             module=MODULE, worker_address=""):
-  """{name: argv} of a dispatcher on `port` and its data workers."""
+             module=MODULE, worker_address="", worker_port=0):
+  """{name: argv} of a dispatcher on `port` of `host` and its data
+  workers (on `worker_port`, 0: any; advertising `worker_address`)."""
   base = [*python, "-m", module]
   found = {"dispatcher": [*base, "dispatcher", f"--port={port}",
                           f"--work_dir={work_dir}"]}
-  advertised = [f"--worker_address={worker_address}"] if worker_address \
-      else []
+  worker = [*base, "worker", f"--dispatcher={host}:{port}"]
+  if worker_port:
+    worker.append(f"--port={worker_port}")
+  if worker_address:
+    worker.append(f"--worker_address={worker_address}")
   for index in range(data_workers):
-    found[f"data_worker:{index}"] = [*base, "worker",
-                                     f"--dispatcher={host}:{port}",
-                                     *advertised]
+    found[f"data_worker:{index}"] = list(worker)
   return found
 
 
 class DataService:
   """A dispatcher and its data workers beside a job, each restarted when
-  it exits. `start_process(name, argv, env)` starts one (its output
-  piped);
-  `log(text)` writes a launcher line; `write(name, line)` a process's."""
+  it exits (with a backoff; one that keeps failing at its start is given
+  up, logged). `start_process(name, argv, env)` starts one, its output
+  piped; `log(text)` writes a launcher line; `write(name, line)` one of a
+  process's lines."""
 
   def __init__(self, *, commands_by_name, start_process, log, write,
                env=None, restart_seconds=0.5):
@@ -119,22 +127,34 @@ class DataService:
                  "TF_CPP_MIN_LOG_LEVEL": "1", **(env or {})}
     self._restart_seconds = restart_seconds
     self._processes = {}
+    self._quick_failures = {name: 0 for name in self._commands}
     self._closed = threading.Event()
-    self._listening = threading.Event()
+    self._ready = threading.Condition()
+    self._serving = set()  # Names that said they listen or serve.
+    self._dispatcher_down = None  # Its exit code, if it ended unready.
     self._restarts = queue.Queue()
     self._lock = threading.Lock()
 
   def start(self, *, timeout=300.0):
-    """Starts every process, then waits until the dispatcher says it
-    listens (from inside any network namespace): a trainer started sooner
-    would give up on it."""
+    """Starts every process, then waits until the dispatcher listens and
+    every data worker serves (each says so, from inside any network
+    namespace): a trainer started sooner would give up on the dispatcher,
+    and a data worker joining late would take an epoch's unit late."""
     for name in self._commands:
       self._launch(name)
     threading.Thread(target=self._restart_forever, daemon=True).start()
-    if not self._listening.wait(timeout):
-      dispatcher = self.processes()["dispatcher"]
-      raise RuntimeError(f"the tf.data dispatcher (pid {dispatcher.pid}) "
-                         f"did not listen within {timeout:g} s")
+    with self._ready:
+      ready = self._ready.wait_for(
+          lambda: (len(self._serving) == len(self._commands)
+                   or self._dispatcher_down is not None), timeout)
+    if self._dispatcher_down is not None:
+      raise RuntimeError(f"the tf.data dispatcher ended with "
+                         f"{_ending(self._dispatcher_down)} before it "
+                         f"listened")
+    if not ready:
+      waiting = sorted(set(self._commands) - self._serving)
+      raise RuntimeError(f"the tf.data service's {', '.join(waiting)} did "
+                         f"not start within {timeout:g} s")
     self._log(f"tf.data service: a dispatcher and "
               f"{len(self._commands) - 1} data workers, pids "
               + " ".join(f"{n}={p.pid}" for n, p in self.processes().items()))
@@ -147,24 +167,39 @@ class DataService:
     process = self._start(name, self._commands[name], self._env)
     with self._lock:
       self._processes[name] = process
-    threading.Thread(target=self._watch, args=(name, process),
+    threading.Thread(target=self._watch,
+                     args=(name, process, time.monotonic()),
                      daemon=True).start()
 
-  def _watch(self, name, process):
+  def _watch(self, name, process, started):
     for raw in process.stdout:
       line = raw.decode("utf-8", "replace").rstrip("\n")
       if not any(noise in line for noise in _NOISE):
         self._write(name, line)
-      if line.startswith(LISTENING):
-        self._listening.set()
+      if line.startswith((LISTENING, SERVING)):
+        with self._ready:
+          self._serving.add(name)
+          self._ready.notify_all()
     code = process.wait()
     if self._closed.is_set():
       return
-    what = (f"signal {-code}" if code < 0 else f"exit code {code}")
-    again = ("restarted from its work_dir" if name == "dispatcher"
-             else "a replacement joins")
+    if name == "dispatcher" and name not in self._serving:
+      with self._ready:
+        self._dispatcher_down = code
+        self._ready.notify_all()
+    quick = time.monotonic() - started < QUICK_SECONDS
+    self._quick_failures[name] = self._quick_failures[name] + 1 if quick \
+        else 0
+    if self._quick_failures[name] >= MAX_QUICK_FAILURES:
+      self._log(f"tf.data service: {name} (pid {process.pid}) ended with "
+                f"{_ending(code)}, {MAX_QUICK_FAILURES} times in a row "
+                f"within {QUICK_SECONDS:g} s of its start: not restarted "
+                "again.")
+      return
+    again = ("restarting it from its work_dir" if name == "dispatcher"
+             else "restarting it: the replacement joins the running job")
     self._log(f"tf.data service: {name} (pid {process.pid}) ended with "
-              f"{what}; {again}.")
+              f"{_ending(code)}; {again}.")
     self._restarts.put(name)
 
   def _restart_forever(self):
@@ -174,7 +209,9 @@ class DataService:
       name = self._restarts.get()
       if name is None or self._closed.is_set():
         return
-      time.sleep(self._restart_seconds)
+      failures = self._quick_failures[name]
+      self._closed.wait(min(MAX_BACKOFF_SECONDS,
+                            self._restart_seconds * 2 ** max(failures - 1, 0)))
       if not self._closed.is_set():
         self._launch(name)
 
@@ -186,6 +223,11 @@ class DataService:
         process.kill()
     for process in self.processes().values():
       process.wait()
+
+
+def _ending(code):
+  return f"signal {-code}" if code is not None and code < 0 else \
+      f"exit code {code}"
 
 
 if __name__ == "__main__":

@@ -56,12 +56,6 @@ class ClusterDescription:
               "ps": self.ps, "evaluator": int(self.evaluator)}
     return {role: n for role, n in counts.items() if n}
 
-  def service_counts(self) -> Dict[str, int]:
-    """The tf.data service's roles, outside the TF cluster."""
-    if not self.data_workers:
-      return {}
-    return {"dispatcher": 1, "data_worker": self.data_workers}
-
 
 def worker_count(text):
   """--workers: N, or MIN:MAX for an elastic job (a (MIN, MAX) pair)."""

@@ -19,7 +19,8 @@ python -m launch.k8s --name=JOB --image=IMAGE [--chief] --workers=N
 --data_workers=K adds, in either format, a tf.data service: a dispatcher
 Deployment (one pod, its journal in an emptyDir that outlives a container
 restart) behind a Service <job>-dispatcher, and a Deployment of K data
-workers, each advertising its pod IP; the trainers get
+workers, each advertising its pod IP and mounting every --volume (they
+read the train files); the trainers get
 --data_service=grpc://<job>-dispatcher:DISPATCHER_PORT, and the
 NetworkPolicy admits the service's ports from the job's pods.
 
@@ -39,6 +40,8 @@ import sys
 
 import yaml
 
+from . import core
+from . import data_service
 from . import description
 
 ROLE_LABEL = "tfdist.dev/role"
@@ -47,6 +50,7 @@ TFJOB_ROLES = {"chief": "Chief", "worker": "Worker", "ps": "PS",
                "evaluator": "Evaluator"}
 DISPATCHER_PORT, DATA_WORKER_PORT = 5050, 5051
 DISPATCHER_WORK_DIR = "/tfdist-dispatcher"
+DISPATCHER_WAIT_SECONDS = 600
 
 
 def parse_args(argv):
@@ -85,11 +89,11 @@ def parse_args(argv):
   except ValueError as e:
     parser.error(str(e))
   if args.cluster.data_workers:
-    if _flag_value(args.train_args, "data_service"):
-      parser.error("--data_workers starts a tf.data service and passes its "
-                   "address: drop --data_service from the train flags")
+    core.check_no_data_service(parser, args.train_args)
+    # The dispatcher's pod starts with the trainers' (image pull, import).
     args.train_args = [*args.train_args,
-                       f"--data_service={dispatcher_address(args)}"]
+                       f"--data_service={dispatcher_address(args)}",
+                       f"--data_service_wait={DISPATCHER_WAIT_SECONDS}"]
   warning = model_dir_warning(args.train_args, args.volumes)
   if warning:
     sys.stderr.write(f"python -m launch.k8s: warning: {warning}\n")
@@ -181,31 +185,27 @@ def _deployment(args, role, replicas, container, **pod_fields):
 
 
 def service_manifests(args):
-  """The tf.data service's Service and Deployments (--data_workers)."""
+  """The tf.data service's Service and Deployments (--data_workers). The
+  data workers read the train files: they mount every --volume, as the
+  trainers do."""
   count = args.cluster.data_workers
   if not count:
     return []
-  base = ["python", "-m", "tfdist.launch.data_service"]
-  dispatcher = {
-      "name": "dispatcher", "image": args.image,
-      "command": [*base, "dispatcher", f"--port={DISPATCHER_PORT}",
-                  f"--work_dir={DISPATCHER_WORK_DIR}"],
-      "ports": [{"name": "dispatcher", "containerPort": DISPATCHER_PORT}],
-      "volumeMounts": [{"name": "journal",
-                        "mountPath": DISPATCHER_WORK_DIR}]}
-  worker = {
-      "name": "data-worker", "image": args.image,
-      "command": [*base, "worker",
-                  f"--dispatcher={args.name}-dispatcher:{DISPATCHER_PORT}",
-                  f"--port={DATA_WORKER_PORT}",
-                  f"--worker_address=$(POD_IP):{DATA_WORKER_PORT}"],
-      "ports": [{"name": "data-worker", "containerPort": DATA_WORKER_PORT}],
-      "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {
-          "fieldPath": "status.podIP"}}}]}
-  for container in (dispatcher, worker):
-    resources = _resources(args, "data_service")
-    if resources:
-      container["resources"] = resources
+  argv = data_service.commands(
+      python=["python"], port=DISPATCHER_PORT, host=f"{args.name}-dispatcher",
+      work_dir=DISPATCHER_WORK_DIR, data_workers=1,
+      module=data_service.REMOTE_MODULE, worker_address="auto",
+      worker_port=DATA_WORKER_PORT)
+  dispatcher = _container(args, "dispatcher", name="dispatcher",
+                          command=argv["dispatcher"], port_name="dispatcher",
+                          port=DISPATCHER_PORT)
+  dispatcher["volumeMounts"] = [*dispatcher.get("volumeMounts", []),
+                                {"name": "journal",
+                                 "mountPath": DISPATCHER_WORK_DIR}]
+  worker = _container(args, "data_worker", name="data-worker",
+                      command=argv["data_worker:0"], port_name="data-worker",
+                      port=DATA_WORKER_PORT)
+  volumes, _ = _pod_volumes(args)
   return [
       {"apiVersion": "v1", "kind": "Service",
        "metadata": _metadata(args, f"{args.name}-dispatcher", "dispatcher"),
@@ -213,9 +213,10 @@ def service_manifests(args):
                              ROLE_LABEL: "dispatcher"},
                 "ports": [{"name": "dispatcher", "port": DISPATCHER_PORT,
                            "targetPort": DISPATCHER_PORT}]}},
-      _deployment(args, "dispatcher", 1, dispatcher,
-                  volumes=[{"name": "journal", "emptyDir": {}}]),
-      _deployment(args, "data_worker", count, worker)]
+      _deployment(args, "dispatcher", 1, dispatcher, volumes=[
+          *volumes, {"name": "journal", "emptyDir": {}}]),
+      _deployment(args, "data_worker", count, worker,
+                  **({"volumes": volumes} if volumes else {}))]
 
 
 def _metadata(args, name, role=None):
@@ -256,13 +257,15 @@ def start_script(train_args):
           + " ".join(shlex.quote(a) for a in train_args))
 
 
-def _container(args, role, *, name, command, port_name, env=None):
-  """One task's container; both formats build theirs here, so the job's
-  environment (GRPC_FAIL_FAST for PS jobs) reaches every pod."""
+def _container(args, role, *, name, command, port_name, env=None,
+               port=None):
+  """One pod's container; both formats and the tf.data service build
+  theirs here, so the job's environment (GRPC_FAIL_FAST for PS jobs) and
+  volumes reach every pod."""
   env = dict(env or {}, **description.role_env(args.cluster))
   container = {
       "name": name, "image": args.image, "command": command,
-      "ports": [{"name": port_name, "containerPort": args.port}],
+      "ports": [{"name": port_name, "containerPort": port or args.port}],
   }
   if env:
     container["env"] = [{"name": k, "value": v} for k, v in env.items()]

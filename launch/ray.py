@@ -443,13 +443,23 @@ def _service(args, log):
   stops it and removes its journal), or (None, None)."""
   if not args.cluster.data_workers:
     return None, None
-  actors = {}
+  from ray.util.scheduling_strategies import \
+      NodeAffinitySchedulingStrategy
+  actors, pinned = {}, {}
 
   def actor_for(name):
+    """The actor of `name`, a new one if it is gone: the dispatcher's on
+    its first node, whose address the trainers have and whose /tmp holds
+    its journal."""
     if name not in actors or not ray_actor.alive(ray_module, actors[name]):
-      actors[name] = ray_actor.TaskActor.options(num_cpus=0).remote()
+      options = {"num_cpus": 0}
+      if name == "dispatcher" and pinned:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+            node_id=pinned["node"], soft=False)
+      actors[name] = ray_actor.TaskActor.options(**options).remote()
     return actors[name]
 
+  pinned["node"] = ray_module.get(actor_for("dispatcher").node_id.remote())
   host, _, port = ray_module.get(
       actor_for("dispatcher").address.remote()).rpartition(":")
   journal = f"/tmp/tfdist-dispatcher-{os.getpid()}-{int(time.time())}"

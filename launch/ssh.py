@@ -376,20 +376,21 @@ def ssh_tasks(args, worker_hosts, spares=None):
 
 
 def service_commands(args):
-  """{name: ssh argv} of the tf.data service's processes."""
-  hosts, port = args.data_hosts, args.dispatcher_port
-  journal = args.dispatcher_journal
-  base = ["ssh", "-tt", *shlex.split(args.ssh_args)]
+  """{name: ssh argv} of the tf.data service's processes: the dispatcher
+  on the first data host, the data workers over them in turn."""
+  hosts = args.data_hosts
+  local = data_service.commands(
+      python=[args.python], port=args.dispatcher_port, host=hosts[0],
+      work_dir=args.dispatcher_journal,
+      data_workers=args.cluster.data_workers,
+      module=data_service.REMOTE_MODULE, worker_address="auto")
   env = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "1"}
-  found = {"dispatcher": [*base, hosts[0], _remote_line(
-      args, env, data_service.REMOTE_MODULE,
-      ["dispatcher", f"--port={port}", f"--work_dir={journal}"])]}
-  for index in range(args.cluster.data_workers):
-    host = hosts[index % len(hosts)]
-    found[f"data_worker:{index}"] = [*base, host, _remote_line(
-        args, env, data_service.REMOTE_MODULE,
-        ["worker", f"--dispatcher={hosts[0]}:{port}",
-         f"--worker_address={host}:%port%"])]
+  found = {}
+  for index, (name, argv) in enumerate(local.items()):
+    host = hosts[0] if name == "dispatcher" else hosts[(index - 1) %
+                                                       len(hosts)]
+    found[name] = ["ssh", "-tt", *shlex.split(args.ssh_args), host,
+                   _remote_line(args, env, argv[2], argv[3:])]
   return found
 
 

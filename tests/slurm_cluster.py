@@ -32,7 +32,7 @@ SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd.pid
 SlurmctldLogFile={root}/slurmctld.log
 SlurmdLogFile={root}/slurmd.log
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
+NodeName=localhost NodeAddr=127.0.0.1 CPUs=6 State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """
 

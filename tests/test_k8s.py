@@ -97,8 +97,9 @@ def test_bad_volume_is_one_line(volume, capsys):
 def test_a_data_service_is_schema_valid_and_wired_to_the_trainers(form):
   """--data_workers: a dispatcher behind its Service, data workers that
   find it and advertise their pod IP, trainers told its address."""
-  docs = _manifests(*MWMS, "--data_workers=3", f"--format={form}", "--",
-                    "--strategy=multi_worker_mirrored", "--model_dir=gs://b/r")
+  docs = _manifests(*MWMS, *VOLUMES, "--data_workers=3", f"--format={form}",
+                    "--", "--strategy=multi_worker_mirrored",
+                    "--model_dir=/data/r")
   by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
   service = by_name["Service", "mwms-dispatcher"]
   workers = by_name["Deployment", "mwms-data-worker"]
@@ -121,8 +122,10 @@ def test_a_data_service_is_schema_valid_and_wired_to_the_trainers(form):
   (worker,) = workers["spec"]["template"]["spec"]["containers"]
   assert f"--dispatcher=mwms-dispatcher:{k8s.DISPATCHER_PORT}" in \
       worker["command"]
-  assert f"--worker_address=$(POD_IP):{k8s.DATA_WORKER_PORT}" in \
-      worker["command"]
+  assert f"--port={k8s.DATA_WORKER_PORT}" in worker["command"]
+  assert "--worker_address=auto" in worker["command"]
+  # The data workers read the train files: every volume, as the trainers.
+  _assert_volumes(workers["spec"]["template"]["spec"])
   address = f"--data_service=grpc://mwms-dispatcher:{k8s.DISPATCHER_PORT}"
   if form == "jobs":
     trainer = by_name["Job", "mwms-worker"]["spec"]["template"]["spec"][
@@ -137,10 +140,13 @@ def test_a_data_service_is_schema_valid_and_wired_to_the_trainers(form):
     assert address in trainer["command"]
 
 
-def test_a_data_service_given_twice_is_one_line():
+def test_a_data_service_given_twice_is_one_line(capsys):
   with pytest.raises(SystemExit):
     k8s.parse_args([*MWMS, "--data_workers=1", "--",
                     "--data_service=grpc://elsewhere:1"])
+  (error,) = [l for l in capsys.readouterr().err.splitlines()
+              if "error:" in l]
+  assert "drop --data_service from the train flags" in error
 
 
 def test_tfjob_format_is_valid_where_kubernetes_can_check_it():

@@ -62,7 +62,8 @@ def check_before_tensorflow(config, role, *, task, tf_config):
     strategies.check_parameter_server_task(tf_config)
   if role is Role.TRAINER and config.data_service:
     from tfdist import service_address  # pylint: disable=g-import-not-at-top
-    service_address.check_reachable(config.data_service)
+    service_address.check_reachable(config.data_service,
+                                    wait_seconds=config.data_service_wait)
 
 
 def ensure_writable_dir(path):

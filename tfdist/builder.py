@@ -290,7 +290,7 @@ def _inputs(config, info, task):
     return data.served_inputs(
         task.data(), service=data_service.Service(
             address=config.data_service, mode=config.data_service_mode),
-        reader=data_service.reader_for(info),
+        reader=data_service.reader_for(info), run_name=config.model_dir,
         global_batch_size=config.batch_size, seed=config.seed,
         eval_steps_requested=config.eval_steps, cache=config.cache,
         shuffle_buffer=config.shuffle_buffer)
@@ -350,7 +350,18 @@ def _loops(config, info, task, parts, sample, local):
       reducer=parts.reducer, class_weight=class_weight,
       sharded=parts.sharded,
       jit_compile=preflight.jit_mode(config, info, local),
-      measure_input_wait=info.coordinator is None)
+      measure_input_wait=_measures_input_wait(info))
+
+
+def _measures_input_wait(info):
+  """The input wait is measured on CPUs only: the stamps keep a batch's
+  fetch from overlapping the step before it, which is free for a batch
+  already prefetched in host memory, but would stop an accelerator's copy
+  of it from overlapping that step. Not on parameter servers either (a
+  read from a parameter server each step)."""
+  accelerators = (tf.config.list_logical_devices("GPU") or
+                  tf.config.list_logical_devices("TPU"))
+  return info.coordinator is None and not accelerators
 
 
 def _checkpoint_store(config, task, parts, write_dir, input_plan):

@@ -175,6 +175,10 @@ OPTIONS = (
        "dispatcher: the train pipeline, up to and including batching, runs "
        "on its data workers (launch.local --data_workers=K starts them). "
        "Eval stays on the trainers.", "task"),
+    _o("data_service_wait", service_address.REACH_SECONDS, "Seconds a "
+       "trainer waits at its start for the --data_service dispatcher to "
+       "answer before it gives up (a launcher may be starting it).",
+       "task", minimum=0),
     _enum("data_service_mode", "dynamic", service_address.MODES,
           "How the data workers split the train stream. dynamic: each "
           "slice of an epoch goes to one data worker (an epoch is read once; "

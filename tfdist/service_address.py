@@ -7,8 +7,8 @@ import time
 from tfdist.errors import ConfigError
 
 MODES = ("dynamic", "parallel_epochs")
-# A dispatcher found down is waited for this long before the run gives up
-# (a launcher may be starting it beside the trainers).
+# A dispatcher found down is waited for this long by default before the
+# run gives up (--data_service_wait).
 REACH_SECONDS = 10.0
 
 

@@ -15,16 +15,18 @@ most double the trainer's rate. Each round runs, side by side and in turn:
 - local, 2 cores:  the trainer parses its own input on both cores.
 
 A figure is the trainer's steps/s from step --warmup to --steps (the
-moments its log lines appear). Prints every round, then the median
+moments its log lines appear); each round starts with the next row. Prints every round, then the median
 [min-max] of each and of the service's ratio to the local, 1-core run.
 """
 
 import argparse
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import portpicker
@@ -122,14 +124,15 @@ def _trainer(cores, root, model_dir, steps, warmup, extra=()):
   return (steps - warmup) / (seen[steps] - seen[warmup])
 
 
-def _service(work):
-  """A dispatcher and one data worker pinned to core 1: (address,
+def _service(journal):
+  """A dispatcher (its journal in a fresh directory: an old one would
+  bring back old jobs) and one data worker, pinned to core 1: (address,
   processes)."""
   port = portpicker.pick_unused_port()
   base = ["taskset", "-c", "1", sys.executable, "-m", "launch.data_service"]
   env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
   dispatcher = subprocess.Popen(
-      [*base, "dispatcher", f"--port={port}", f"--work_dir={work}/dispatcher"],
+      [*base, "dispatcher", f"--port={port}", f"--work_dir={journal}"],
       cwd=_ROOT, env=env, stdout=subprocess.DEVNULL)
   worker = subprocess.Popen([*base, "worker", f"--dispatcher=127.0.0.1:{port}"],
                             cwd=_ROOT, env=env, stdout=subprocess.DEVNULL)
@@ -151,27 +154,29 @@ def main():
   root = os.path.join(args.dir, "files")
   if not os.path.exists(f"{root}/DONE"):
     _write(root)
-  address, service = _service(args.dir)
-  rows = {"local, 1 core": [], "service, 1 + 1 cores": [],
-          "local, 2 cores": []}
+  journal = tempfile.mkdtemp(prefix="tfdist-bench-dispatcher-")
+  address, service = _service(journal)
+  runs = {"local, 1 core": ("0", ()),
+          "service, 1 + 1 cores": ("0", (f"--data_service={address}",)),
+          "local, 2 cores": ("0,1", ())}
+  rows = {name: [] for name in runs}
   try:
     for number in range(args.rounds):
-      run = f"{args.dir}/run-{time.time()}"
-      figures = {
-          "local, 1 core": _trainer("0", root, f"{run}-a", args.steps,
-                                    args.warmup),
-          "service, 1 + 1 cores": _trainer(
-              "0", root, f"{run}-b", args.steps, args.warmup,
-              [f"--data_service={address}"]),
-          "local, 2 cores": _trainer("0,1", root, f"{run}-c", args.steps,
-                                     args.warmup)}
-      for name, value in figures.items():
-        rows[name].append(value)
+      # Each round starts with the next row, so no row always runs first.
+      names = list(runs)[number % 3:] + list(runs)[:number % 3]
+      figures = {}
+      for name in names:
+        cores, extra = runs[name]
+        figures[name] = _trainer(cores, root, f"{args.dir}/run-"
+                                 f"{time.time()}", args.steps, args.warmup,
+                                 extra)
+        rows[name].append(figures[name])
       print(f"round {number + 1}: " + ", ".join(
           f"{n} {v:.2f} steps/s" for n, v in figures.items()), flush=True)
   finally:
     for process in service:
       process.kill()
+    shutil.rmtree(journal, ignore_errors=True)
   ratio = [s / l for s, l in zip(rows["service, 1 + 1 cores"],
                                  rows["local, 1 core"])]
   print(f"\nmedian [min-max] over {args.rounds} rounds, batch {BATCH}:")

@@ -298,15 +298,15 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
       image_input=dataset.input_shape is not None)
 
 
-def served_inputs(dataset: sources.Dataset, *, service, reader,
+def served_inputs(dataset: sources.Dataset, *, service, reader, run_name,
                   global_batch_size, seed, eval_steps_requested=0,
                   cache="auto", shuffle_buffer=SHUFFLE_BUFFER) -> Inputs:
   """tfdist's own pipeline with its train part on the tf.data service
   (tfdist.data.service); eval stays here."""
   train_fn = service_lib.served_train_fn(
-      dataset, service=service, reader=reader,
+      dataset, service=service, reader=reader, run_name=run_name,
       global_batch_size=global_batch_size, seed=seed,
-      shuffle_buffer=shuffle_buffer, uses_python=sources.calls_python)
+      shuffle_buffer=shuffle_buffer, python_ops=sources.python_ops)
   local = inputs_from_dataset(
       dataset, global_batch_size=global_batch_size,
       eval_steps_requested=eval_steps_requested, cache=cache,

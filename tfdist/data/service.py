@@ -25,6 +25,7 @@ global batch: a resumed or restarted job never reads an old job's batches.
 """
 
 import dataclasses
+import hashlib
 import secrets
 from typing import Optional
 
@@ -58,8 +59,11 @@ class Service:
             else f"grpc://{self.address}")
 
 
-def job_name(token, start_step, global_batch_size):
-  return f"tfdist-{token:06x}-s{start_step}-b{global_batch_size}"
+def job_name(run_name, token, start_step, global_batch_size):
+  """The run (its model_dir, hashed), the registering process's token,
+  the start step and the global batch."""
+  run = hashlib.sha1(run_name.encode()).hexdigest()[:6]
+  return f"tfdist-{run}-{token:06x}-s{start_step}-b{global_batch_size}"
 
 
 def new_token():
@@ -83,8 +87,8 @@ def lone_reader(consumers=1):
   return Reader(registers=True, consumers=consumers, share=lambda t: t)
 
 
-def served_train_fn(dataset, *, service: Service, reader: Reader,
-                    global_batch_size, seed, shuffle_buffer, uses_python):
+def served_train_fn(dataset, *, service: Service, reader: Reader, run_name,
+                    global_batch_size, seed, shuffle_buffer, python_ops):
   """(start_step) -> input_fn reading the served train batches from the
   step `start_step` is at."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -96,18 +100,12 @@ def served_train_fn(dataset, *, service: Service, reader: Reader,
         dataset, mode=service.mode, seed=seed,
         start_example=start_step * global_batch_size,
         batch_size=per_consumer, buffer=shuffle_buffer)
-  # Checked once, before training starts.
-  if uses_python(batches_from(0)):
-    raise ConfigError(
-        f"{dataset.name}: its pipeline calls Python (tf.py_function or "
-        "tf.numpy_function), which the tf.data service cannot ship to its "
-        "data workers: build it from TensorFlow ops, or drop "
-        "--data_service.")
+  _check_servable(dataset, batches_from(0), python_ops)
 
   def train_fn(start_step):
     batches = batches_from(start_step)
-    name = _registered(batches, service, reader, start_step,
-                       global_batch_size)
+    name = _registered(batches, service, reader, (
+        run_name, start_step, global_batch_size))
     spec = batches.element_spec
     policy = (tf.data.experimental.service.ShardingPolicy.DYNAMIC
               if service.mode == "dynamic"
@@ -130,16 +128,44 @@ def served_train_fn(dataset, *, service: Service, reader: Reader,
   return train_fn
 
 
-def _registered(batches, service, reader, start_step, global_batch_size):
-  """The job name every trainer agrees on, registered once."""
+def _check_servable(dataset, batches, python_ops):
+  """Refuses, before training starts, a pipeline the data workers could
+  not run."""
+  found = python_ops(batches)
+  if found is None:
+    raise ConfigError(
+        f"{dataset.name}: its pipeline cannot be serialized for the "
+        "tf.data service (does it read a Python generator?): build it "
+        "from TensorFlow ops, or drop --data_service.")
+  if found:
+    raise ConfigError(
+        f"{dataset.name}: its pipeline calls Python (tf.py_function or "
+        "tf.numpy_function), which the tf.data service cannot ship to its "
+        "data workers: build it from TensorFlow ops, or drop "
+        "--data_service.")
+
+
+def _registered(batches, service, reader, identity):
+  """The job name every trainer agrees on, registered once. `identity`:
+  (run name, start step, global batch). A registration that fails is
+  shared as token -1, so that the other trainers fail at once too."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  token = new_token() if reader.registers else 0
+  token, failure = (new_token() if reader.registers else 0), None
   if reader.registers:
-    name = job_name(token, start_step, global_batch_size)
-    tf.data.experimental.service.register_dataset(
-        service.target, batches, dataset_id=name)
+    try:
+      tf.data.experimental.service.register_dataset(
+          service.target, batches,
+          dataset_id=job_name(identity[0], token, *identity[1:]))
+    except (tf.errors.OpError, ValueError, TypeError) as e:
+      failure = str(getattr(e, "message", e)).splitlines()[0][:200]
+      token = -1
   token = reader.share(token)
-  name = job_name(token, start_step, global_batch_size)
+  if failure or token < 0:
+    raise ConfigError(
+        f"the train pipeline could not be registered with the tf.data "
+        f"service at {service.address}: "
+        + (failure or "the chief says why"))
+  name = job_name(identity[0], token, *identity[1:])
   logging.info("Input: tf.data service %s (%s), job %s%s.", service.address,
                service.mode, name,
                f", {reader.consumers} trainers in round-robin"

@@ -5,9 +5,9 @@ Unit u is slice u % S of epoch u // S. A slice of a split read from files
 is every S-th file of the epoch's file order, interleaved and shuffled
 within the slice; a slice of other data is every S-th example of the
 epoch's shuffle. Each unit is read whole by one data worker and shuffled
-on its own, so units never mix: under round-robin reads an epoch's units
-end together, and a resume at example k starts at the unit that k's share
-of its epoch reached.
+on its own, so units never mix: under round-robin reads, with S a
+multiple of the data workers and slices of equal size, an epoch's units
+end together. A resume starts the epoch in progress again.
 """
 
 from absl import logging
@@ -59,8 +59,10 @@ def _example_unit(dataset, slices, buffer):
 
 
 def first_unit(dataset, start_example):
-  """The unit a resume at `start_example` starts at."""
-  slices = slices_per_epoch(dataset)
+  """The unit a resume at `start_example` starts at: the first of the
+  epoch in progress. Several data workers read several units at once, so
+  no later unit is known to be used up: the epoch's examples trained
+  before the stop are trained again, and none is skipped."""
   total = (sum(dataset.file_split.counts) if dataset.file_split is not None
            else dataset.num_train_examples)
   if total is None:
@@ -69,7 +71,11 @@ def first_unit(dataset, start_example):
                       "service starts its epochs again.", dataset.name)
     return 0
   epoch, into = divmod(start_example, total)
-  return epoch * slices + into * slices // total
+  if into:
+    logging.info("Input: the resume at example %d of epoch %d reads that "
+                 "epoch again from its start on the tf.data service.", into,
+                 epoch)
+  return epoch * slices_per_epoch(dataset)
 
 
 def served_examples(dataset, *, mode, seed, start_example, buffer):

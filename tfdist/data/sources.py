@@ -85,11 +85,12 @@ def reads_files(dataset):
   return bool((_graph_ops(dataset) or set()) & _FILE_READERS)
 
 
-def calls_python(dataset):
-  """Whether a pipeline runs Python (py_function, numpy_function, a
-  generator): what the tf.data service cannot run on its data workers."""
+def python_ops(dataset):
+  """The ops of a pipeline that run Python (py_function, numpy_function),
+  which the tf.data service cannot run on its data workers; None when the
+  pipeline cannot be serialized at all (a generator, say)."""
   ops = _graph_ops(dataset)
-  return ops is None or bool(ops & _PYTHON_OPS)
+  return None if ops is None else ops & _PYTHON_OPS
 
 
 def count(dataset):
