@@ -10,9 +10,10 @@ one restarted on the same port takes up the jobs it was serving. A data
 worker needs TensorFlow only: the pipeline reaches it as a graph, so
 neither the model nor the user's module is imported there.
 
-`DataService` is what launch.local runs beside a job: a dispatcher and K
-data workers, each restarted when it exits (one log line each), kept
-across the job's restarts, and stopped with the launcher.
+`DataService` is what launch.local, launch.ssh and launch.ray run beside
+a job: a dispatcher and K data workers, each restarted when it exits (one
+log line each, with a backoff), kept across the job's restarts, and
+stopped with the launcher.
 """
 
 import argparse

@@ -91,9 +91,10 @@ def parse_args(argv):
   if args.cluster.data_workers:
     core.check_no_data_service(parser, args.train_args)
     # The dispatcher's pod starts with the trainers' (image pull, import).
+    wait = ([] if _flag_value(args.train_args, "data_service_wait")
+            else [f"--data_service_wait={DISPATCHER_WAIT_SECONDS}"])
     args.train_args = [*args.train_args,
-                       f"--data_service={dispatcher_address(args)}",
-                       f"--data_service_wait={DISPATCHER_WAIT_SECONDS}"]
+                       f"--data_service={dispatcher_address(args)}", *wait]
   warning = model_dir_warning(args.train_args, args.volumes)
   if warning:
     sys.stderr.write(f"python -m launch.k8s: warning: {warning}\n")

@@ -389,8 +389,12 @@ def service_commands(args):
   for index, (name, argv) in enumerate(local.items()):
     host = hosts[0] if name == "dispatcher" else hosts[(index - 1) %
                                                        len(hosts)]
+    # The host by the name the trainers use: `auto` on the dispatcher's
+    # own host could find a loopback address there (127.0.1.1 in hosts).
+    rest = [f"--worker_address={host}:%port%" if a == "--worker_address=auto"
+            else a for a in argv[3:]]
     found[name] = ["ssh", "-tt", *shlex.split(args.ssh_args), host,
-                   _remote_line(args, env, argv[2], argv[3:])]
+                   _remote_line(args, env, argv[2], rest)]
   return found
 
 

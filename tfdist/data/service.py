@@ -9,9 +9,10 @@ that the dispatcher hands to data workers one at a time:
 - `dynamic` (ShardingPolicy.DYNAMIC): each unit goes to one data worker,
   so an epoch is read once however many data workers there are; a data
   worker lost mid-unit loses the rest of that unit (at most once). Read
-  in round-robin, the units of an epoch are used up together; read first
-  come, first served (PS), the next epoch's units may start before the
-  last of this one's is used up.
+  in round-robin, with the units per epoch a multiple of the data workers
+  and of equal size, the units of an epoch are used up together; read
+  first come, first served (PS), the next epoch's units may start before
+  the last of this one's is used up.
 - `parallel_epochs` (ShardingPolicy.OFF): every data worker reads the
   whole stream, in an order of its own, as TF advises.
 
@@ -20,8 +21,9 @@ Synchronous trainers read in strict round-robin (`consumer_index`,
 at every step and no trainer runs out before the others. Parameter-server
 workers read first come, first served.
 
-Job names carry a token the trainers agree on, the start step and the
-global batch: a resumed or restarted job never reads an old job's batches.
+Job names carry the run (its model_dir, hashed), a token the trainers
+agree on, the start step and the global batch: a resumed or restarted job
+never reads an old job's batches.
 """
 
 import dataclasses
@@ -157,7 +159,8 @@ def _registered(batches, service, reader, identity):
           service.target, batches,
           dataset_id=job_name(identity[0], token, *identity[1:]))
     except (tf.errors.OpError, ValueError, TypeError) as e:
-      failure = str(getattr(e, "message", e)).splitlines()[0][:200]
+      lines = str(getattr(e, "message", e)).splitlines()
+      failure = (lines or [type(e).__name__])[0][:200]
       token = -1
   token = reader.share(token)
   if failure or token < 0:
