@@ -350,18 +350,20 @@ def _loops(config, info, task, parts, sample, local):
       reducer=parts.reducer, class_weight=class_weight,
       sharded=parts.sharded,
       jit_compile=preflight.jit_mode(config, info, local),
-      measure_input_wait=_measures_input_wait(info))
+      measure_input_wait=_measures_input_wait(info, local))
 
 
-def _measures_input_wait(info):
+def _measures_input_wait(info, local):
   """The input wait is measured on CPUs only: the stamps keep a batch's
   fetch from overlapping the step before it, which is free for a batch
   already prefetched in host memory, but would stop an accelerator's copy
   of it from overlapping that step. Not on parameter servers either (a
   read from a parameter server each step)."""
-  accelerators = (tf.config.list_logical_devices("GPU") or
-                  tf.config.list_logical_devices("TPU"))
-  return info.coordinator is None and not accelerators
+  if info.coordinator is not None or isinstance(info.strategy,
+                                                tf.distribute.TPUStrategy):
+    return False
+  return all(tf.DeviceSpec.from_string(device).device_type == "CPU"
+             for device in local)
 
 
 def _checkpoint_store(config, task, parts, write_dir, input_plan):
