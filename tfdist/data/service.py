@@ -29,7 +29,6 @@ never reads an old job's batches.
 import dataclasses
 import hashlib
 import secrets
-from typing import Optional
 
 from absl import logging
 
@@ -174,12 +173,6 @@ def _registered(batches, service, reader, identity):
                f", {reader.consumers} trainers in round-robin"
                if reader.consumers > 1 else "")
   return name
-
-
-def describe(service: Optional[Service]):
-  if service is None:
-    return "on this host"
-  return f"on the tf.data service at {service.address} ({service.mode})"
 
 
 def reader_for(info):
