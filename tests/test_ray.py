@@ -188,13 +188,15 @@ def test_elastic_job_follows_nodes_joining_and_leaving(netns, tmp_path,
       assert time.monotonic() < deadline and nodes.poll() is None
       time.sleep(0.2)
     model_dir = tmp_path / "run"
-    # Room for two changes (about 20 s each) before the last step: about
-    # 25 steps/s here.
+    # Room for two changes (about 20 s each) before the last step: the
+    # workers train at most 17 steps/s (tests/paced_worker.py), however
+    # fast this CPU is.
     steps = 600
     run = _launch(netns, [f"--address={(control / 'address').read_text()}",
                           "--workers=2:3", "--max_restarts=0",
                           "--discovery_seconds=1", "--backoff_seconds=0.2",
-                          "--stop_grace_seconds=5"],
+                          "--stop_grace_seconds=5",
+                          "--module=tests.paced_worker"],
                   [*test_elastic.train_args(model_dir, data_dir, steps),
                    "--strategy=multi_worker_mirrored"])
     run.wait_for(lambda l: l.startswith("worker:0") and "ckpt-20." in l)

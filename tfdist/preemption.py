@@ -48,6 +48,11 @@ class SigtermFlag:
   also listens on the signal wakeup fd, which CPython writes the moment a
   signal arrives, and starts the watchdog from there.
 
+  The listener also notes Ctrl-C: TF now and then swallows the
+  KeyboardInterrupt (raised inside a `__del__`, where Python ignores it),
+  and the run would go on. `raise_if_interrupted` raises it again at the
+  next loop call, unless someone else handles SIGINT.
+
   Signal handlers can only be set from the main thread: elsewhere (a Ray
   Tune function trainable, a notebook's worker thread) the flag logs one
   line and never rises.
@@ -63,6 +68,7 @@ class SigtermFlag:
     self._disarmed = threading.Event()
     self._handled = 0
     self.requested = False
+    self._interrupted = False
     self._previous_handlers = None
     if threading.current_thread() is not threading.main_thread():
       logging.warning(
@@ -105,6 +111,14 @@ class SigtermFlag:
         return
       if any(signum in data for signum in STOP_SIGNALS):
         self._note()
+      if (signal.SIGINT in data and
+          signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+        self._interrupted = True
+
+  def raise_if_interrupted(self):
+    """Raises the KeyboardInterrupt of a Ctrl-C that got lost on the way."""
+    if self._interrupted:
+      raise KeyboardInterrupt
 
   def _note(self):
     """The first SIGTERM: set the flag, start the watchdog (once)."""
@@ -190,6 +204,7 @@ class SigtermGuard:
     self._flag.disarm()
 
   def save_and_exit_if_signalled(self):
+    self._flag.raise_if_interrupted()
     if self._flag.requested:
       self._flag.save_and_stop(self._save_fn, self._step_fn)
 

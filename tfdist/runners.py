@@ -239,6 +239,8 @@ class SyncRunner:
       self._sigterm.save_and_stop(self._save_fn, self._step_fn)
 
   def _call(self, loop_fn, iterator, num_steps, *, watch_key):
+    if self._sigterm:
+      self._sigterm.raise_if_interrupted()
     stop = float(bool(self._sigterm and self._sigterm.requested))
     watched = (self._stall_watch.watching(watch_key) if self._stall_watch
                else contextlib.nullcontext())
