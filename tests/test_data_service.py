@@ -6,10 +6,12 @@ on one trainer and on 2 MultiWorkerMirrored trainers (which end at
 exactly --train_steps); parameter servers train on it; a data worker
 killed, the dispatcher restarted and a trainer preempted each leave the
 run finishing at exactly --train_steps, logged, with a fresh job after
-the resume; a bad address, a dispatcher that is down and a pipeline that
+the resume; a run resumed twice in an epoch reads the epoch its stream
+is in; a bad address, a dispatcher that is down and a pipeline that
 calls Python are one line each."""
 
 import collections
+import glob
 import os
 import re
 import signal
@@ -153,6 +155,58 @@ def test_faults_of_the_service_and_a_preempted_trainer(outside, tmp_path):
     faults = [l for l in output.splitlines()
               if l.startswith(f"[launch] tf.data service: {name} ")]
     assert len(faults) == 1, faults
+
+
+@pytest.fixture
+def one_data_worker(tmp_path):
+  """A dispatcher and one data worker, started as a user would by hand:
+  with one data worker the stream's order is the same in every job."""
+  port = portpicker.pick_unused_port()
+  started = [subprocess.Popen(
+      [sys.executable, "-m", "tfdist.launch.data_service", *args],
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for args in (["dispatcher", f"--port={port}",
+                           f"--work_dir={tmp_path / 'journal'}"],
+                          ["worker", f"--dispatcher=127.0.0.1:{port}"])]
+  yield f"grpc://127.0.0.1:{port}"
+  for proc in started:
+    proc.kill()
+    proc.wait()
+
+
+def _ids_in_order(ids_dir):
+  ids = []
+  for path in glob.glob(os.path.join(ids_dir, "ids-*.txt")):
+    with open(path) as lines:
+      ids.extend(int(i) for line in lines for i in line.split())
+  return ids
+
+
+def test_a_second_resume_in_an_epoch_reads_the_epoch_the_stream_is_in(
+    outside, tmp_path, one_data_worker):
+  """Stopped at step 8, half way through epoch 0, the resumed run reads
+  epoch 0 again from its start: at step 20 the step count is in epoch 1
+  but the stream is 3/4 through epoch 0. The next resume must read epoch
+  0 again (the lag the checkpoint keeps), not skip its last quarter."""
+  model_dir, reads = tmp_path / "run", []
+  for steps in (8, 20, 20 + EPOCH_STEPS):
+    ids_dir = tmp_path / f"ids-{steps}"
+    ids_dir.mkdir()
+    proc = _train([f"--data_service={one_data_worker}",
+                   "--data_service_wait=120", f"--train_steps={steps}",
+                   "--checkpoint_every=1000", f"--model_dir={model_dir}"],
+                  outside, timeout=300,
+                  env={"USER_FILES": str(tmp_path / "files"),
+                       "USER_IDS_DIR": str(ids_dir)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reads.append(_ids_in_order(ids_dir))
+  first, second, third = reads
+  assert [len(r) for r in reads] == [8 * 32, 12 * 32, EPOCH_STEPS * 32]
+  assert second[:len(first)] == first  # Epoch 0 again, from its start.
+  assert third[:len(second)] == second  # Still epoch 0: not skipped.
+  assert collections.Counter(third) == _every_id(1)
+  assert "reads that epoch again from its start" in proc.stderr
+  assert "stream is 1.2 epochs behind the step count" in proc.stderr
 
 
 def _train(args, cwd, env=None, timeout=120):

@@ -459,7 +459,7 @@ def test_a_best_checkpoint_removed_before_it_is_kept_is_written(tmp_path):
   weights = tf.Variable([1.0, 2.0])
   model_dir = str(tmp_path)
   store = checkpoints.CheckpointStore(
-      checkpoint=tf.train.Checkpoint(weights=weights), model_dir=model_dir,
+      objects={"weights": weights}, model_dir=model_dir,
       write_dir=model_dir, keep=1,
       signature={"model": "m", "num_classes": 1, "variables": {}})
   evaluated = store.save(10)
@@ -475,10 +475,40 @@ def test_a_best_checkpoint_removed_before_it_is_kept_is_written(tmp_path):
   assert tf.train.latest_checkpoint(os.path.dirname(kept)) == kept
 
 
+def test_optional_state_restores_when_the_checkpoint_holds_it(tmp_path):
+  """The input's position (the served stream's lag) is saved with each
+  checkpoint; a checkpoint written before it was kept still restores."""
+  from tfdist import checkpoints
+  signature = {"model": "m", "num_classes": 1, "variables": {}}
+
+  def store(model_dir, optional):
+    weights = tf.Variable([0.0])
+    return weights, checkpoints.CheckpointStore(
+        objects={"weights": weights}, optional=optional,
+        model_dir=str(model_dir), write_dir=str(model_dir), keep=2,
+        signature=signature)
+  weights, without = store(tmp_path / "old", {})
+  weights.assign([5.0])
+  without.save(3)
+  lag = tf.Variable(7, dtype=tf.int64)
+  weights, with_lag = store(tmp_path / "old", {"lag": lag})
+  assert with_lag.restore().endswith("ckpt-3")
+  assert weights.numpy()[0] == 5.0 and int(lag.numpy()) == 7
+  lag.assign(96)
+  with_lag.save(4)
+  lag.assign(0)
+  weights, again = store(tmp_path / "old", {"lag": lag})
+  assert again.restore().endswith("ckpt-4")
+  assert int(lag.numpy()) == 96
+  # A run without it restores the checkpoint that has it.
+  weights, plain = store(tmp_path / "old", {})
+  assert plain.restore().endswith("ckpt-4") and weights.numpy()[0] == 5.0
+
+
 def _survivor_store(model_dir, weights, step):
   from tfdist import checkpoints
   return checkpoints.CheckpointStore(
-      checkpoint=tf.train.Checkpoint(weights=weights, step=step),
+      objects={"weights": weights, "step": step},
       model_dir=model_dir, write_dir=model_dir, keep=3,
       signature={"model": "m", "num_classes": 1, "variables": {}})
 
@@ -594,3 +624,21 @@ def test_spares_per_task_and_none_for_native_logs():
           count("auto", restarts=0, elastic=True), count("2")) == (1, 0, 1, 2)
   assert count("auto", ["--native_logs"]) == 0
   assert count("2", ["-v", "1"]) == 0
+
+
+def test_a_served_resume_starts_the_epoch_its_stream_is_in():
+  """1000 examples an epoch (4 units), global batch 10. Resumed at step
+  90, the stream reads epoch 0 again and runs 900 behind; resumed again
+  at step 210, the stream is 200 into epoch 1 (the step count is in epoch
+  2): epoch 1 is read again, none of it skipped."""
+  from tfdist.data import service_units
+  dataset = types.SimpleNamespace(file_split=None, num_train_examples=1000,
+                                  in_memory=True, name="d")
+  assert service_units.resume_point(dataset, trained=0, lag=0) == (0, 0)
+  assert service_units.resume_point(dataset, trained=900, lag=0) == (0, 900)
+  assert service_units.resume_point(dataset, trained=2100, lag=900) == (
+      4, 1100)
+  # Unknown size: the stream starts again, and runs behind by it all.
+  unknown = types.SimpleNamespace(file_split=None, num_train_examples=None,
+                                  in_memory=False, name="d")
+  assert service_units.resume_point(unknown, trained=640, lag=0) == (0, 640)

@@ -287,11 +287,14 @@ def _inputs(config, info, task):
     return data.inputs_from_task(task, global_batch_size=config.batch_size,
                                  eval_steps_requested=config.eval_steps)
   if config.data_service:
+    with info.strategy.scope():  # Taken from the chief as the step is.
+      lag = tf.Variable(0, dtype=tf.int64, trainable=False,
+                        name="served_stream_lag")
     return data.served_inputs(
         task.data(), service=data_service.Service(
             address=config.data_service, mode=config.data_service_mode),
         reader=data_service.reader_for(info), run_name=config.model_dir,
-        global_batch_size=config.batch_size, seed=config.seed,
+        global_batch_size=config.batch_size, seed=config.seed, lag=lag,
         eval_steps_requested=config.eval_steps, cache=config.cache,
         shuffle_buffer=config.shuffle_buffer)
   return data.inputs_from_dataset(
@@ -366,21 +369,22 @@ def _measures_input_wait(info, local):
              for device in local)
 
 
-def _checkpoint_store(config, task, parts, write_dir, input_plan):
+def _checkpoint_store(config, task, parts, write_dir, inputs):
   sharded = parts.sharded
   return checkpoints.CheckpointStore(
-      checkpoint=tf.train.Checkpoint(
+      objects=dict(
           model=parts.model, step=parts.global_step,
           optimizer=sharded.checkpoint_view(
               parts.optimizer, parts.model.trainable_variables) if sharded
           else parts.optimizer),
+      optional=inputs.state,
       saving=sharded.saving if sharded else contextlib.nullcontext,
       model_dir=config.model_dir, write_dir=write_dir,
       keep=config.keep_checkpoints,
       signature=checkpoints.model_signature(
           model_name=task.display_name, model=parts.model,
           num_classes=getattr(task, "num_classes", None)),
-      run_record={"schedule": parts.schedule, "input": input_plan})
+      run_record={"schedule": parts.schedule, "input": inputs.plan})
 
 
 def _startup_scalars(info, parts):
@@ -479,7 +483,7 @@ def _best_and_callbacks(config, info, parts, store, metric_names, callbacks):
       sync=callbacks_lib.chief_values(info.strategy) if info.peers else None)
 
 
-def _survivor_state(config, info, parts, store):
+def _survivor_state(config, info, parts, store, inputs):
   """MultiWorkerMirrored: the state each survivor keeps of a lost peer
   (tfdist.survivor), where one worker's copy is the whole state."""
   if not (config.survivor_state and info.peers) or info.coordinator:
@@ -491,13 +495,13 @@ def _survivor_state(config, info, parts, store):
     return None
   return survivor_lib.SurvivorState(
       variables=[*parts.model.weights, *parts.optimizer.variables,
-                 parts.global_step],
+                 parts.global_step, *inputs.state.values()],
       step_variable=parts.global_step,
       write=functools.partial(store.write_survivor, info.task_name),
       task_name=info.task_name)
 
 
-def _chief_broadcast(info, parts, tracker):
+def _chief_broadcast(info, parts, tracker, inputs):
   """Multi-worker: every worker takes the chief's state after the
   restore (no shared disk)."""
   if not info.peers:
@@ -505,7 +509,8 @@ def _chief_broadcast(info, parts, tracker):
   return replica_check.ChiefBroadcast(
       strategy=info.strategy, variables=[
           *parts.model.weights, *parts.optimizer.variables,
-          parts.global_step, *(tracker.variables if tracker else ())],
+          parts.global_step, *inputs.state.values(),
+          *(tracker.variables if tracker else ())],
       then=parts.sharded.share_restored if parts.sharded else None)
 
 
@@ -532,12 +537,12 @@ def _run_parts(config, info, task, *, write_dir, callbacks):
   inputs = _inputs(config, info, task)
   parts = _model_and_optimizer(config, info, task, inputs.sample)
   loops = _loops(config, info, task, parts, inputs.sample, local)
-  store = _checkpoint_store(config, task, parts, write_dir, inputs.plan)
+  store = _checkpoint_store(config, task, parts, write_dir, inputs)
   if info.coordinator:
     _log_ps_placement(parts.model)
   tracker, keras_callbacks = _best_and_callbacks(
       config, info, parts, store, loops.metrics.names, callbacks)
-  survivor = _survivor_state(config, info, parts, store)
+  survivor = _survivor_state(config, info, parts, store, inputs)
   # With callbacks, which may change the optimizer's variables (its
   # learning rate) after a call, the Trainer commits after them instead.
   runner = runners.create(info, loops, train_feed=config.train_feed,
@@ -596,7 +601,8 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
       hparams=config.to_dict(),
       startup_scalars=_startup_scalars(info, parts),
       chief_broadcast=_chief_broadcast(
-          info, parts, run.keeper.tracker if run.keeper else None),
+          info, parts, run.keeper.tracker if run.keeper else None,
+          run.inputs),
       callbacks=run.callbacks, best=run.keeper, survivor=run.survivor,
       warm_start=(functools.partial(
           warm_start_lib.load, model, config.init_checkpoint,

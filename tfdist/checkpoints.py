@@ -54,10 +54,17 @@ def _step_of(path):
 class CheckpointStore:
   """Wraps tf.train.CheckpointManager for one model_dir."""
 
-  def __init__(self, *, checkpoint, model_dir, write_dir, keep, signature,
-               run_record=None, saving=contextlib.nullcontext):
-    """`saving()`: a context around each save (a sharded optimizer
-    gathers its state in it)."""
+  def __init__(self, *, objects, model_dir, write_dir, keep, signature,
+               optional=None, run_record=None,
+               saving=contextlib.nullcontext):
+    """`objects`: {name: trackable}, what a checkpoint must hold to be
+    restored. `optional`: {name: trackable}, saved too, and restored when
+    a checkpoint holds it (one written before it was kept still
+    restores). `saving()`: a context around each save (a sharded
+    optimizer gathers its state in it)."""
+    self._optional = dict(optional or {})
+    self._required = tf.train.Checkpoint(**objects)
+    checkpoint = tf.train.Checkpoint(**objects, **self._optional)
     self._checkpoint = checkpoint
     self._saving = saving
     self._model_dir = model_dir
@@ -86,7 +93,9 @@ class CheckpointStore:
     candidates = self._newer_survivor_states(managed) + managed
     for path in candidates:
       try:
-        self._checkpoint.restore(path).assert_existing_objects_matched()
+        self._required.restore(path).assert_existing_objects_matched()
+        if self._optional:
+          tf.train.Checkpoint(**self._optional).restore(path).expect_partial()
         return path
       except UNREADABLE as e:
         logging.warning("Checkpoint %s is unreadable (%s); trying the one "

@@ -265,6 +265,10 @@ class Inputs:
   # What decides the order of the train examples besides the seed: kept
   # with the checkpoint, so that a resume on another plan says so.
   plan: Optional[dict] = None
+  # {name: variable}: the input's own position, kept in the checkpoint
+  # (which restores without it when it has none) and the survivor state,
+  # and taken from the chief as the step is.
+  state: dict = dataclasses.field(default_factory=dict)
 
 
 def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
@@ -299,20 +303,22 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
 
 
 def served_inputs(dataset: sources.Dataset, *, service, reader, run_name,
-                  global_batch_size, seed, eval_steps_requested=0,
+                  global_batch_size, seed, lag, eval_steps_requested=0,
                   cache="auto", shuffle_buffer=SHUFFLE_BUFFER) -> Inputs:
   """tfdist's own pipeline with its train part on the tf.data service
-  (tfdist.data.service); eval stays here."""
+  (tfdist.data.service); eval stays here. `lag`: an int64 variable, the
+  examples the served stream runs behind the step count."""
   train_fn = service_lib.served_train_fn(
       dataset, service=service, reader=reader, run_name=run_name,
       global_batch_size=global_batch_size, seed=seed,
-      shuffle_buffer=shuffle_buffer, python_ops=sources.python_ops)
+      shuffle_buffer=shuffle_buffer, python_ops=sources.python_ops, lag=lag)
   local = inputs_from_dataset(
       dataset, global_batch_size=global_batch_size,
       eval_steps_requested=eval_steps_requested, cache=cache,
       shuffle_buffer=shuffle_buffer)
   return dataclasses.replace(
       local, train_fn=lambda start_step, _seed: train_fn(start_step),
+      state={"served_stream_lag": lag},
       plan={"sharding": f"tf.data service ({service.mode})",
             "train_examples": dataset.num_train_examples,
             "train_files": dataset.num_train_files,

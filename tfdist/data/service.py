@@ -89,22 +89,29 @@ def lone_reader(consumers=1):
 
 
 def served_train_fn(dataset, *, service: Service, reader: Reader, run_name,
-                    global_batch_size, seed, shuffle_buffer, python_ops):
+                    global_batch_size, seed, shuffle_buffer, python_ops,
+                    lag):
   """(start_step) -> input_fn reading the served train batches from the
-  step `start_step` is at."""
+  step `start_step` is at. `lag`: an int64 variable the checkpoint keeps,
+  the examples the served stream runs behind the step count (a resume
+  reads the epoch in progress again), so that a later resume finds the
+  epoch the stream is in, not the one the step count is in."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist.data import service_units  # pylint: disable=g-import-not-at-top
   per_consumer = global_batch_size // max(reader.consumers, 1)
 
-  def batches_from(start_step):
+  def batches_from(first_unit):
     return service_units.served_batches(
-        dataset, mode=service.mode, seed=seed,
-        start_example=start_step * global_batch_size,
+        dataset, mode=service.mode, seed=seed, first_unit=first_unit,
         batch_size=per_consumer, buffer=shuffle_buffer)
   _check_servable(dataset, batches_from(0), python_ops)
 
   def train_fn(start_step):
-    batches = batches_from(start_step)
+    first_unit, behind = service_units.resume_point(
+        dataset, trained=start_step * global_batch_size,
+        lag=int(lag.numpy()))
+    lag.assign(behind)
+    batches = batches_from(first_unit)
     name = _registered(batches, service, reader, (
         run_name, start_step, global_batch_size))
     spec = batches.element_spec

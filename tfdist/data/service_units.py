@@ -3,11 +3,14 @@ hands out one at a time (tfdist.data.service).
 
 Unit u is slice u % S of epoch u // S. A slice of a split read from files
 is every S-th file of the epoch's file order, interleaved and shuffled
-within the slice; a slice of other data is every S-th example of the
-epoch's shuffle. Each unit is read whole by one data worker and shuffled
-on its own, so units never mix: under round-robin reads, with S a
-multiple of the data workers and slices of equal size, an epoch's units
-end together. A resume starts the epoch in progress again.
+within the slice; a slice of data in memory is every S-th example of the
+epoch's shuffle; other data (a stream of the user's) is one unit an
+epoch. Each unit is read whole by one data worker and shuffled on its
+own, so units never mix: under round-robin reads, with S a multiple of
+the data workers and slices of equal size, an epoch's units end
+together. A resume starts the epoch the stream is in again: the
+stream then runs behind the step count (the lag, which the checkpoint
+keeps, so that a second resume finds the stream's own epoch).
 """
 
 from absl import logging
@@ -25,8 +28,8 @@ def slices_per_epoch(dataset):
   split = dataset.file_split
   if split is not None:
     return max(1, len(split.paths) // service.SLICE_FILES)
-  if dataset.num_train_examples is None:
-    return 1
+  if dataset.num_train_examples is None or not dataset.in_memory:
+    return 1  # A slice of a stream would read all of it.
   return max(1, min(service.IN_MEMORY_SLICES, dataset.num_train_examples))
 
 
@@ -58,27 +61,35 @@ def _example_unit(dataset, slices, buffer):
   return examples
 
 
-def first_unit(dataset, start_example):
-  """The unit a resume at `start_example` starts at: the first of the
-  epoch in progress. Several data workers read several units at once, so
-  no later unit is known to be used up: the epoch's examples trained
-  before the stop are trained again, and none is skipped."""
+def resume_point(dataset, *, trained, lag):
+  """(unit, lag): where the stream starts again after `trained` examples
+  of steps, when it ran `lag` examples behind them: the first unit of the
+  epoch the stream is in, and the stream's lag from then on. Several data
+  workers read several units at once, so no later unit is known to be
+  used up: the epoch's examples trained before the stop are trained
+  again, and none is skipped."""
   total = (sum(dataset.file_split.counts) if dataset.file_split is not None
            else dataset.num_train_examples)
   if total is None:
-    if start_example:
+    if trained:
       logging.warning("%s: its size is unknown, so a resume on the tf.data "
                       "service starts its epochs again.", dataset.name)
-    return 0
-  epoch, into = divmod(start_example, total)
+    return 0, trained
+  epoch, into = divmod(trained - lag, total)
   if into:
     logging.info("Input: the resume at example %d of epoch %d reads that "
                  "epoch again from its start on the tf.data service.", into,
                  epoch)
-  return epoch * slices_per_epoch(dataset)
+  lag = trained - epoch * total
+  if lag > total:
+    logging.warning(
+        "Input: the tf.data service's stream is %.1f epochs behind the step "
+        "count: the run was resumed more than once in an epoch, and each "
+        "resume reads the epoch in progress again.", lag / total)
+  return epoch * slices_per_epoch(dataset), lag
 
 
-def served_examples(dataset, *, mode, seed, start_example, buffer):
+def served_examples(dataset, *, mode, seed, first_unit, buffer):
   """Parsed, unbatched examples in units (see the module docstring)."""
   slices = slices_per_epoch(dataset)
   split = dataset.file_split
@@ -93,7 +104,7 @@ def served_examples(dataset, *, mode, seed, start_example, buffer):
         order.FOREVER).flat_map(lambda u: unit(u, s)))
   else:
     examples = tf.data.Dataset.range(
-        first_unit(dataset, start_example), order.FOREVER).flat_map(
+        first_unit, order.FOREVER).flat_map(
             lambda u: unit(u, tf.constant(seed, tf.int64)))
   if split is not None:
     examples = examples.map(split.parse, num_parallel_calls=tf.data.AUTOTUNE,
@@ -101,9 +112,9 @@ def served_examples(dataset, *, mode, seed, start_example, buffer):
   return examples
 
 
-def served_batches(dataset, *, mode, seed, start_example, batch_size, buffer):
+def served_batches(dataset, *, mode, seed, first_unit, batch_size, buffer):
   examples = served_examples(dataset, mode=mode, seed=seed,
-                             start_example=start_example, buffer=buffer)
+                             first_unit=first_unit, buffer=buffer)
   if dataset.augment is not None:
     examples = examples.map(dataset.augment,
                             num_parallel_calls=tf.data.AUTOTUNE,
