@@ -124,11 +124,15 @@ def _expanded(train_args, depth=0):
       yield arg
 
 
-def _train_flag(train_args, name):
+_OPTION_DEFAULT = object()
+
+
+def _train_flag(train_args, name, default=_OPTION_DEFAULT):
   """The value tfdist.train takes for --`name`: the last one given, in
-  the flags or a flagfile, else the option's default. _Unreadable when a
-  flagfile cannot be read here."""
-  value = tfdist_options.BY_NAME[name].default
+  the flags or a flagfile, else `default` (the option's own by default).
+  _Unreadable when a flagfile cannot be read here."""
+  value = (tfdist_options.BY_NAME[name].default
+           if default is _OPTION_DEFAULT else default)
   args = list(_expanded(train_args))
   for arg, following in zip(args, args[1:] + [None]):
     if arg.startswith(f"--{name}="):
@@ -136,6 +140,15 @@ def _train_flag(train_args, name):
     elif arg == f"--{name}" and following is not None:
       value = following  # absl takes "--name value" too.
   return value
+
+
+def given_train_flag(train_args, name):
+  """The value given for --`name` in the train flags (in either form, or
+  in a flagfile read here), or None."""
+  try:
+    return _train_flag(train_args, name, default=None)
+  except _Unreadable:
+    return None
 
 
 def _check_batch_divides(parser, args):

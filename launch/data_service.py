@@ -19,6 +19,7 @@ stopped with the launcher.
 import argparse
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -116,10 +117,12 @@ class DataService:
   it exits (with a backoff; one that keeps failing at its start is given
   up, logged). `start_process(name, argv, env)` starts one, its output
   piped; `log(text)` writes a launcher line; `write(name, line)` one of a
-  process's lines."""
+  process's lines; `on_give_up()` is called once the job is running when
+  the dispatcher or the last data worker is given up, since its trainers
+  would wait for them for ever (a launcher stops its job)."""
 
   def __init__(self, *, commands_by_name, start_process, log, write,
-               env=None, restart_seconds=0.5):
+               env=None, restart_seconds=0.5, on_give_up=None):
     self._commands = dict(commands_by_name)
     self._start = start_process
     self._log = log
@@ -127,11 +130,14 @@ class DataService:
     self._env = {**os.environ, "PYTHONUNBUFFERED": "1",
                  "TF_CPP_MIN_LOG_LEVEL": "1", **(env or {})}
     self._restart_seconds = restart_seconds
+    self._on_give_up = on_give_up
     self._processes = {}
     self._quick_failures = {name: 0 for name in self._commands}
     self._closed = threading.Event()
+    self._running = threading.Event()  # start() returned.
     self._ready = threading.Condition()
     self._serving = set()  # Names that said they listen or serve.
+    self._given_up = set()
     self._dispatcher_down = None  # Its exit code, if it ended unready.
     self._restarts = queue.Queue()
     self._lock = threading.Lock()
@@ -147,15 +153,21 @@ class DataService:
     with self._ready:
       ready = self._ready.wait_for(
           lambda: (len(self._serving) == len(self._commands)
-                   or self._dispatcher_down is not None), timeout)
+                   or self._dispatcher_down is not None
+                   or self._given_up), timeout)
     if self._dispatcher_down is not None:
       raise RuntimeError(f"the tf.data dispatcher ended with "
                          f"{_ending(self._dispatcher_down)} before it "
                          f"listened")
+    if self._given_up:
+      raise RuntimeError(
+          f"the tf.data service's {', '.join(sorted(self._given_up))} ended "
+          f"{MAX_QUICK_FAILURES} times in a row at its start")
     if not ready:
       waiting = sorted(set(self._commands) - self._serving)
       raise RuntimeError(f"the tf.data service's {', '.join(waiting)} did "
                          f"not start within {timeout:g} s")
+    self._running.set()
     self._log(f"tf.data service: a dispatcher and "
               f"{len(self._commands) - 1} data workers, pids "
               + " ".join(f"{n}={p.pid}" for n, p in self.processes().items()))
@@ -168,6 +180,11 @@ class DataService:
     process = self._start(name, self._commands[name], self._env)
     with self._lock:
       self._processes[name] = process
+      closed = self._closed.is_set()
+    if closed:  # Started while close() ran: it saw the process before.
+      process.kill()
+      process.wait()
+      return
     threading.Thread(target=self._watch,
                      args=(name, process, time.monotonic()),
                      daemon=True).start()
@@ -188,20 +205,32 @@ class DataService:
       with self._ready:
         self._dispatcher_down = code
         self._ready.notify_all()
-    quick = time.monotonic() - started < QUICK_SECONDS
+    self._ended(name, f"(pid {process.pid}) ended with {_ending(code)}",
+                quick=time.monotonic() - started < QUICK_SECONDS)
+
+  def _ended(self, name, how, *, quick):
+    """`name` ended, or could not be started: restarts it, or gives it up
+    after MAX_QUICK_FAILURES quick ends in a row."""
     self._quick_failures[name] = self._quick_failures[name] + 1 if quick \
         else 0
-    if self._quick_failures[name] >= MAX_QUICK_FAILURES:
-      self._log(f"tf.data service: {name} (pid {process.pid}) ended with "
-                f"{_ending(code)}, {MAX_QUICK_FAILURES} times in a row "
-                f"within {QUICK_SECONDS:g} s of its start: not restarted "
-                "again.")
+    if self._quick_failures[name] < MAX_QUICK_FAILURES:
+      again = ("restarting it from its work_dir" if name == "dispatcher"
+               else "restarting it: the replacement joins the running job")
+      self._log(f"tf.data service: {name} {how}; {again}.")
+      self._restarts.put(name)
       return
-    again = ("restarting it from its work_dir" if name == "dispatcher"
-             else "restarting it: the replacement joins the running job")
-    self._log(f"tf.data service: {name} (pid {process.pid}) ended with "
-              f"{_ending(code)}; {again}.")
-    self._restarts.put(name)
+    with self._ready:
+      self._given_up.add(name)
+      self._ready.notify_all()
+      lost = (name == "dispatcher"
+              or len(self._given_up) == len(self._commands) - 1)
+    stop = lost and self._running.is_set() and self._on_give_up
+    self._log(f"tf.data service: {name} {how}, {MAX_QUICK_FAILURES} times in "
+              f"a row within {QUICK_SECONDS:g} s of its start: not restarted "
+              "again" + ("; stopping the job, whose trainers would wait for "
+                         "it." if stop else "."))
+    if stop:
+      self._on_give_up()
 
   def _restart_forever(self):
     # One thread starts every replacement and outlives them: a child gets
@@ -213,17 +242,29 @@ class DataService:
       failures = self._quick_failures[name]
       self._closed.wait(min(MAX_BACKOFF_SECONDS,
                             self._restart_seconds * 2 ** max(failures - 1, 0)))
-      if not self._closed.is_set():
+      if self._closed.is_set():
+        return
+      try:
         self._launch(name)
+      except Exception as e:  # pylint: disable=broad-except
+        # A lost host or node: counted as an end at its start.
+        self._ended(name, f"could not be started again ({e})", quick=True)
 
   def close(self):
-    self._closed.set()
+    with self._lock:
+      self._closed.set()
     self._restarts.put(None)
     for process in self.processes().values():
       if process.poll() is None:
         process.kill()
     for process in self.processes().values():
       process.wait()
+
+
+def stop_launcher():
+  """A DataService's `on_give_up` in a launcher: SIGTERM to itself, which
+  launch.core forwards to the job (its trainers save and end)."""
+  os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _ending(code):

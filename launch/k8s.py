@@ -91,7 +91,8 @@ def parse_args(argv):
   if args.cluster.data_workers:
     core.check_no_data_service(parser, args.train_args)
     # The dispatcher's pod starts with the trainers' (image pull, import).
-    wait = ([] if _flag_value(args.train_args, "data_service_wait")
+    wait = ([] if core.given_train_flag(args.train_args,
+                                         "data_service_wait")
             else [f"--data_service_wait={DISPATCHER_WAIT_SECONDS}"])
     args.train_args = [*args.train_args,
                        f"--data_service={dispatcher_address(args)}", *wait]
@@ -124,18 +125,10 @@ def parse_volume(text):
   return Volume(kind=kind, source=source, mount=mount.rstrip("/") or "/")
 
 
-def _flag_value(train_args, name):
-  value = None
-  for arg in train_args:
-    if arg.startswith(f"--{name}="):
-      value = arg.split("=", 1)[1]
-  return value
-
-
 def model_dir_warning(train_args, volumes):
   """Why the checkpoints would be lost, or None: a local model_dir must
   live on a volume (gs:// and s3:// are read through tf.io.gfile)."""
-  model_dir = _flag_value(train_args, "model_dir")
+  model_dir = core.given_train_flag(train_args, "model_dir")
   if not model_dir or "://" in model_dir:
     return None
   path = posixpath.normpath(model_dir)

@@ -88,7 +88,7 @@ def _data_service(args, python, log):
             python=python, port=port, work_dir=work_dir,
             data_workers=args.cluster.data_workers),
         start_process=lambda _, argv, env: processes.start_local(argv, env),
-        log=log,
+        log=log, on_give_up=data_service.stop_launcher,
         write=lambda name, line: processes.write_line(
             sys.stdout, f"{name} | {line}"))
     try:

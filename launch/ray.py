@@ -471,6 +471,7 @@ def _service(args, log):
           module=data_service.REMOTE_MODULE, worker_address="auto"),
       start_process=lambda name, argv, env: ray_actor.RemoteProcess(
           ray_module, actor_for(name), argv, env, cwd=os.getcwd()),
+      on_give_up=data_service.stop_launcher,
       log=log, write=lambda name, line: processes.write_line(
           sys.stdout, f"{name} | {line}"))
   args.train_args = [*args.train_args, f"--data_service=grpc://{host}:{port}"]

@@ -408,6 +408,7 @@ def _service(args, log):
                          _ssh_prefix(args), argv[-2])
   service = data_service.DataService(
       commands_by_name=service_commands(args), start_process=start_process,
+      on_give_up=data_service.stop_launcher,
       log=log, write=lambda name, line: processes.write_line(
           sys.stdout, f"{name} | {line}"))
   args.train_args = [*args.train_args, "--data_service=grpc://"
@@ -433,10 +434,15 @@ def main(argv=None):
     code = _run(args, log)
   finally:
     service.close()
-    subprocess.run([*_ssh_prefix(args), args.data_hosts[0],
-                    f"rm -rf {shlex.quote(args.dispatcher_journal)}"],
-                   stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
-                   check=False)
+    try:  # The journal; its host may be the one that stopped answering.
+      subprocess.run([*_ssh_prefix(args), args.data_hosts[0],
+                      f"rm -rf {shlex.quote(args.dispatcher_journal)}"],
+                     stdin=subprocess.DEVNULL, capture_output=True,
+                     timeout=60, check=False)
+    except subprocess.TimeoutExpired:
+      log(f"could not remove the dispatcher's journal "
+          f"{args.data_hosts[0]}:{args.dispatcher_journal} (no answer "
+          "within 60 s).")
   sys.exit(code)
 
 

@@ -91,3 +91,21 @@ def test_sbatch_job_completes(slurm, strategy, extra, tmp_path, data_dir):
   if served:
     assert re.search(r"Input: tf.data service grpc://localhost:\d+ "
                      r"\(dynamic\), job \S+\.", output), output[-3000:]
+
+
+def test_a_data_service_given_beside_data_workers_is_one_line(slurm,
+                                                              tmp_path):
+  """TFDIST_DATA_WORKERS passes the service's address: a --data_service of
+  the user's would override it, silently."""
+  model_dir = tmp_path / "never"
+  code, output = slurm.sbatch(
+      ["-N1", "-n3", "--export=ALL,TFDIST_DATA_WORKERS=1",
+       "launch/slurm.sbatch", "--data_service", "grpc://elsewhere:1",
+       f"--model_dir={model_dir}"], cwd=ROOT, timeout=120)
+  assert code != 0
+  errors = [l for l in output.splitlines()
+            if "drop --data_service from the train flags" in l]
+  assert len(errors) == 1, output[-2000:]
+  assert errors[0].startswith("launch/slurm.sbatch: error: ")
+  assert "Traceback" not in output
+  assert not model_dir.exists()

@@ -106,10 +106,11 @@ def test_a_tf_data_service_on_named_hosts(sshd, tmp_path, data_dir):
                    "round-robin", proc.stdout), proc.stdout[-3000:]
   assert "data_worker:1 | data worker serving" in proc.stdout
   assert artifacts.checkpoint_step(model_dir) == 60
-  # The remote service processes ended with their sessions.
+  # The remote service processes ended with their sessions (this job's:
+  # its port; other tests may run services of their own meanwhile).
   left = subprocess.run(["pgrep", "-f", f"^{sys.executable} -m "
-                         "tfdist.launch.data_service"], capture_output=True,
-                        text=True).stdout
+                         f"tfdist.launch.data_service .*[=:]{port}( |$)"],
+                        capture_output=True, text=True).stdout
   assert not left.split()
 
 
