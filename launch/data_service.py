@@ -138,6 +138,7 @@ class DataService:
     self._ready = threading.Condition()
     self._serving = set()  # Names that said they listen or serve.
     self._given_up = set()
+    self._stopping = False  # on_give_up was called.
     self._dispatcher_down = None  # Its exit code, if it ended unready.
     self._restarts = queue.Queue()
     self._lock = threading.Lock()
@@ -211,6 +212,8 @@ class DataService:
   def _ended(self, name, how, *, quick):
     """`name` ended, or could not be started: restarts it, or gives it up
     after MAX_QUICK_FAILURES quick ends in a row."""
+    if self._closed.is_set():
+      return
     self._quick_failures[name] = self._quick_failures[name] + 1 if quick \
         else 0
     if self._quick_failures[name] < MAX_QUICK_FAILURES:
@@ -222,9 +225,13 @@ class DataService:
     with self._ready:
       self._given_up.add(name)
       self._ready.notify_all()
+      workers = self._given_up - {"dispatcher"}
       lost = (name == "dispatcher"
-              or len(self._given_up) == len(self._commands) - 1)
-    stop = lost and self._running.is_set() and self._on_give_up
+              or len(workers) == len(self._commands) - 1)
+      # Once: the dispatcher and the last data worker may both be lost.
+      stop = (lost and self._running.is_set() and self._on_give_up
+              and not self._stopping)
+      self._stopping = self._stopping or bool(stop)
     self._log(f"tf.data service: {name} {how}, {MAX_QUICK_FAILURES} times in "
               f"a row within {QUICK_SECONDS:g} s of its start: not restarted "
               "again" + ("; stopping the job, whose trainers would wait for "

@@ -93,7 +93,7 @@ def _data_service(args, python, log):
             sys.stdout, f"{name} | {line}"))
     try:
       service.start()
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:  # OSError: a process not started.
       service.close()
       sys.exit(f"python -m launch.local: error: {e}")
     args.train_args = [*args.train_args,

@@ -498,7 +498,7 @@ def _launch(args, log):
   try:
     try:
       service.start()
-    except RuntimeError as e:
+    except (RuntimeError, OSError, ray_module.exceptions.RayError) as e:
       return f"python -m launch.ray: error: {e}"
     return _launch_job(args, log)
   finally:

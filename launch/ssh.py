@@ -427,7 +427,7 @@ def main(argv=None):
     sys.exit(_run(args, log))
   try:
     service.start()
-  except RuntimeError as e:
+  except (RuntimeError, OSError) as e:  # OSError: ssh not started.
     service.close()
     sys.exit(f"python -m launch.ssh: error: {e}")
   try:

@@ -87,7 +87,7 @@ def test_a_data_worker_that_cannot_be_started_again_is_given_up():
     return _start(name, argv, env)
   with _Supervised({"dispatcher": _python(LISTENS + "; import time; time.sleep(120)"),
                     "data_worker:0": _python(
-                        SERVES + "; import time; time.sleep(2)")},
+                        SERVES + "; import time; time.sleep(5)")},
                    start_process=start_process) as run:
     run.service.start(timeout=120)
     assert run.gave_up.wait(60), run.lines

@@ -638,6 +638,9 @@ def test_a_served_resume_starts_the_epoch_its_stream_is_in():
   assert service_units.resume_point(dataset, trained=900, lag=0) == (0, 900)
   assert service_units.resume_point(dataset, trained=2100, lag=900) == (
       4, 1100)
+  # A lag kept at a larger batch: never before the first example.
+  assert service_units.resume_point(dataset, trained=100, lag=900) == (
+      0, 100)
   # Unknown size: the stream starts again, and runs behind by it all.
   unknown = types.SimpleNamespace(file_split=None, num_train_examples=None,
                                   in_memory=False, name="d")

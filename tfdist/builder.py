@@ -483,6 +483,13 @@ def _best_and_callbacks(config, info, parts, store, metric_names, callbacks):
       sync=callbacks_lib.chief_values(info.strategy) if info.peers else None)
 
 
+def _run_state(parts, inputs):
+  """Every variable of the run's state, as the checkpoint holds it (the
+  model's weights, the optimizer's, the step and the input's own)."""
+  return [*parts.model.weights, *parts.optimizer.variables,
+          parts.global_step, *inputs.state.values()]
+
+
 def _survivor_state(config, info, parts, store, inputs):
   """MultiWorkerMirrored: the state each survivor keeps of a lost peer
   (tfdist.survivor), where one worker's copy is the whole state."""
@@ -494,8 +501,7 @@ def _survivor_state(config, info, parts, store, inputs):
                  "last checkpoint.")
     return None
   return survivor_lib.SurvivorState(
-      variables=[*parts.model.weights, *parts.optimizer.variables,
-                 parts.global_step, *inputs.state.values()],
+      variables=_run_state(parts, inputs),
       step_variable=parts.global_step,
       write=functools.partial(store.write_survivor, info.task_name),
       task_name=info.task_name)
@@ -508,8 +514,7 @@ def _chief_broadcast(info, parts, tracker, inputs):
     return None
   return replica_check.ChiefBroadcast(
       strategy=info.strategy, variables=[
-          *parts.model.weights, *parts.optimizer.variables,
-          parts.global_step, *inputs.state.values(),
+          *_run_state(parts, inputs),
           *(tracker.variables if tracker else ())],
       then=parts.sharded.share_restored if parts.sharded else None)
 

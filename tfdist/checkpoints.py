@@ -93,7 +93,10 @@ class CheckpointStore:
     candidates = self._newer_survivor_states(managed) + managed
     for path in candidates:
       try:
-        self._required.restore(path).assert_existing_objects_matched()
+        # Partial: the optional objects are restored next (and a run
+        # without them would warn of them at exit).
+        self._required.restore(
+            path).assert_existing_objects_matched().expect_partial()
         if self._optional:
           tf.train.Checkpoint(**self._optional).restore(path).expect_partial()
         return path

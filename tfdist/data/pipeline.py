@@ -319,7 +319,9 @@ def served_inputs(dataset: sources.Dataset, *, service, reader, run_name,
   return dataclasses.replace(
       local, train_fn=lambda start_step, _seed: train_fn(start_step),
       state={"served_stream_lag": lag},
+      # The global batch: the stream's lag is counted in its examples.
       plan={"sharding": f"tf.data service ({service.mode})",
+            "global_batch_size": global_batch_size,
             "train_examples": dataset.num_train_examples,
             "train_files": dataset.num_train_files,
             "shuffle_buffer": shuffle_buffer})

@@ -107,10 +107,12 @@ def served_train_fn(dataset, *, service: Service, reader: Reader, run_name,
   _check_servable(dataset, batches_from(0), python_ops)
 
   def train_fn(start_step):
-    first_unit, behind = service_units.resume_point(
-        dataset, trained=start_step * global_batch_size,
-        lag=int(lag.numpy()))
-    lag.assign(behind)
+    first_unit = 0  # parallel_epochs: each data worker's order of its own.
+    if service.mode == "dynamic":
+      first_unit, behind = service_units.resume_point(
+          dataset, trained=start_step * global_batch_size,
+          lag=int(lag.numpy()))
+      lag.assign(behind)
     batches = batches_from(first_unit)
     name = _registered(batches, service, reader, (
         run_name, start_step, global_batch_size))

@@ -3,12 +3,11 @@ hands out one at a time (tfdist.data.service).
 
 Unit u is slice u % S of epoch u // S. A slice of a split read from files
 is every S-th file of the epoch's file order, interleaved and shuffled
-within the slice; a slice of data in memory is every S-th example of the
-epoch's shuffle; other data (a stream of the user's) is one unit an
-epoch. Each unit is read whole by one data worker and shuffled on its
-own, so units never mix: under round-robin reads, with S a multiple of
-the data workers and slices of equal size, an epoch's units end
-together. A resume starts the epoch the stream is in again: the
+within the slice; a slice of other data is every S-th example of the
+epoch's shuffle. Each unit is read whole by one data worker and shuffled
+on its own, so units never mix: under round-robin reads, with S a
+multiple of the data workers and slices of equal size, an epoch's units
+end together. A resume starts the epoch the stream is in again: the
 stream then runs behind the step count (the lag, which the checkpoint
 keeps, so that a second resume finds the stream's own epoch).
 """
@@ -28,8 +27,11 @@ def slices_per_epoch(dataset):
   split = dataset.file_split
   if split is not None:
     return max(1, len(split.paths) // service.SLICE_FILES)
-  if dataset.num_train_examples is None or not dataset.in_memory:
-    return 1  # A slice of a stream would read all of it.
+  if dataset.num_train_examples is None:
+    return 1
+  # A slice of a stream reads all of it (4 times the reads), but one unit
+  # an epoch would let 2 data workers read 2 epochs at once, and a resume
+  # taken as the later one would skip the rest of the earlier.
   return max(1, min(service.IN_MEMORY_SLICES, dataset.num_train_examples))
 
 
@@ -67,7 +69,8 @@ def resume_point(dataset, *, trained, lag):
   epoch the stream is in, and the stream's lag from then on. Several data
   workers read several units at once, so no later unit is known to be
   used up: the epoch's examples trained before the stop are trained
-  again, and none is skipped."""
+  again, and none is skipped where an epoch's units end together (see
+  above; otherwise a data worker may still be in the epoch before)."""
   total = (sum(dataset.file_split.counts) if dataset.file_split is not None
            else dataset.num_train_examples)
   if total is None:
@@ -75,17 +78,18 @@ def resume_point(dataset, *, trained, lag):
       logging.warning("%s: its size is unknown, so a resume on the tf.data "
                       "service starts its epochs again.", dataset.name)
     return 0, trained
-  epoch, into = divmod(trained - lag, total)
+  # Never before the first example (a lag kept at a larger batch size).
+  epoch, into = divmod(max(trained - lag, 0), total)
   if into:
     logging.info("Input: the resume at example %d of epoch %d reads that "
                  "epoch again from its start on the tf.data service.", into,
                  epoch)
   lag = trained - epoch * total
-  if lag > total:
+  if lag >= total:
     logging.warning(
         "Input: the tf.data service's stream is %.1f epochs behind the step "
-        "count: the run was resumed more than once in an epoch, and each "
-        "resume reads the epoch in progress again.", lag / total)
+        "count: each resume read the epoch in progress again, so the run "
+        "trains that many epochs fewer than its steps count.", lag / total)
   return epoch * slices_per_epoch(dataset), lag
 
 
