@@ -11,7 +11,6 @@ is in; a bad address, a dispatcher that is down and a pipeline that
 calls Python are one line each."""
 
 import collections
-import glob
 import os
 import re
 import signal
@@ -28,6 +27,7 @@ from conftest import LauncherProcess
 from conftest import user_project
 from test_cli_errors import _assert_one_line_error
 from test_file_runs import USER
+from test_file_runs import _ids_in_order
 from test_file_runs import _logged_ids
 
 EPOCH_STEPS = user_files.NUM_FILES * user_files.PER_FILE // 32  # 16
@@ -172,14 +172,6 @@ def one_data_worker(tmp_path):
   for proc in started:
     proc.kill()
     proc.wait()
-
-
-def _ids_in_order(ids_dir):
-  ids = []
-  for path in glob.glob(os.path.join(ids_dir, "ids-*.txt")):
-    with open(path) as lines:
-      ids.extend(int(i) for line in lines for i in line.split())
-  return ids
 
 
 def test_a_second_resume_in_an_epoch_reads_the_epoch_the_stream_is_in(

@@ -42,13 +42,18 @@ def _run(cwd, module, args, env):
   return proc.stdout + proc.stderr
 
 
-def _logged_ids(ids_dir):
-  counts = collections.Counter()
+def _ids_in_order(ids_dir):
+  """Every id the model logged, in the order each process trained them
+  (one process's after another's)."""
+  ids = []
   for path in glob.glob(os.path.join(ids_dir, "ids-*.txt")):
     with open(path) as lines:
-      for line in lines:
-        counts.update(int(i) for i in line.split())
-  return counts
+      ids.extend(int(i) for line in lines for i in line.split())
+  return ids
+
+
+def _logged_ids(ids_dir):
+  return collections.Counter(_ids_in_order(ids_dir))
 
 
 def test_two_workers_train_each_example_once_per_epoch_across_a_sigterm(
