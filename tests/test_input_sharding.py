@@ -69,15 +69,25 @@ def test_file_sharding_reads_a_quarter_of_the_bytes_per_host(digits,
     assert 0.2 * total <= read["file", host] <= 0.3 * total, read
 
 
-def test_file_sharding_covers_each_example_once_per_epoch(digits):
+def test_file_sharding_trains_each_example_at_most_once_per_epoch(digits):
+  """Hosts hold 359 or 360 examples: every host's epoch is the shortest
+  host's, so hosts stay in step (a longer epoch on one host would
+  sample the other hosts' examples more often)."""
   everything = collections.Counter(_rows(next(iter(
       digits.train_source().batch(10**6)))))
-  seen = collections.Counter()
+  sizes = [digits.train_files(HOSTS, host)[1] for host in range(HOSTS)]
+  assert min(sizes) < max(sizes)
+  epoch = min(sizes)
+  seen, left_out = collections.Counter(), set()
   for host in range(HOSTS):
-    _, host_examples = digits.train_files(HOSTS, host)
-    seen.update(_first_examples(digits, host, "file", host_examples))
-  assert seen == everything
-  assert sum(everything.values()) == digits.num_train_examples
+    rows = _first_examples(digits, host, "file", 2 * epoch)
+    assert len(set(rows[epoch:])) == epoch  # The second epoch, whole.
+    seen.update(rows[:epoch])
+    left_out |= {row for row in rows[epoch:]} - set(rows[:epoch])
+  assert max(seen.values()) == 1 and set(seen) <= set(everything)
+  assert sum(seen.values()) == HOSTS * epoch
+  # The second epoch leaves out other examples than the first.
+  assert left_out and left_out <= set(everything) - set(seen)
 
 
 def test_file_sharding_resumes_where_it_stopped(digits):
@@ -101,15 +111,17 @@ def test_auto_and_bad_requests(digits):
   synthetic = data.load(config_lib.Config(model_dir="unused",
                                           dataset="synthetic"))
   # auto: by file only when the data is streamed (digits is cached).
-  assert data.resolve_sharding(digits, "auto", 4) == "batch"
-  assert data.resolve_sharding(digits, "auto", 4, streamed=True) == "file"
-  assert data.resolve_sharding(digits, "auto", 5, streamed=True) == "batch"
-  assert data.resolve_sharding(synthetic, "auto", 2) == "batch"
+  assert data.resolve_sharding(digits, "auto", 4, seed=0) == "batch"
+  assert data.resolve_sharding(digits, "auto", 4, seed=0,
+                               streamed=True) == "file"
+  assert data.resolve_sharding(digits, "auto", 5, seed=0,
+                               streamed=True) == "batch"
+  assert data.resolve_sharding(synthetic, "auto", 2, seed=0) == "batch"
   with pytest.raises(ConfigError, match=r"has 4 train file\(s\).*"
                      r"Received: input_sharding=file with 5 hosts"):
-    data.resolve_sharding(digits, "file", 5)
+    data.resolve_sharding(digits, "file", 5, seed=0)
   with pytest.raises(ConfigError, match="synthetic has 0 train file"):
-    data.resolve_sharding(synthetic, "file", 2)
+    data.resolve_sharding(synthetic, "file", 2, seed=0)
   # One host: file mode is the batch mode, example for example.
   assert np.array_equal(
       *(next(iter(data.train_input_fn(

@@ -138,6 +138,17 @@ def python_parse():
                          parse=through_python, num_classes=NUM_CLASSES)
 
 
+def jittered():
+  """data() with an augment that takes a seed: stateless draws, keyed by
+  the example's place in its stream."""
+  def jitter(features, label, seed):
+    noise = tf.random.stateless_uniform([4], seed, -0.05, 0.05)
+    return {"x": features["x"] + noise, "id": features["id"]}, label
+  data_ = data()
+  return tfdist.FileData(train=data_.train, eval=data_.eval, parse=parse,
+                         augment=jitter, num_classes=NUM_CLASSES)
+
+
 def slow_augment():
   """An augment that sleeps 4 ms per example (in Python): a run whose
   steps wait for their input."""

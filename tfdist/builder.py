@@ -300,7 +300,8 @@ def _inputs(config, info, task):
   return data.inputs_from_dataset(
       task.data(), global_batch_size=config.batch_size,
       eval_steps_requested=config.eval_steps,
-      sharding=config.input_sharding, num_hosts=_input_pipelines(info),
+      seed=config.seed, sharding=config.input_sharding,
+      num_hosts=_input_pipelines(info),
       cache=config.cache, shuffle_buffer=config.shuffle_buffer)
 
 

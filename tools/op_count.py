@@ -55,7 +55,8 @@ def main(argv):
   trainer = inprocess.build_trainer(config, info)
   runner = trainer._runner  # pylint: disable=protected-access
   iterator = runner.make_iterator(data.inputs_from_dataset(
-      data.load(config), global_batch_size=config.batch_size).train_fn(0, 1))
+      data.load(config), global_batch_size=config.batch_size,
+      seed=1).train_fn(0, 1))
   tfdist_graph = runner._train.get_concrete_function(  # pylint: disable=protected-access
       iterator, tf.constant(8)).graph
 

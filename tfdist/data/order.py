@@ -14,6 +14,8 @@ checkpoint but the step: the shuffle buffer is not state.
 
 import tensorflow as tf
 
+from tfdist.data import randomness
+
 CYCLE = 8  # Files read at once by one pipeline.
 FOREVER = 2**62  # Epochs: more than any run takes.
 
@@ -41,11 +43,12 @@ def epoch_length(counts, seed, epoch, hosts):
              for host in range(hosts))
 
 
-def left_out_share(counts, hosts, epochs=4):
+def left_out_share(counts, hosts, seed, epochs=4):
   """The share of records an epoch leaves out on `hosts` pipelines (the
-  mean of the first `epochs`, for seed 0: what file sharding costs)."""
+  mean of the run's first `epochs`: what file sharding costs)."""
   total = sum(counts)
-  return sum(total - hosts * epoch_length(counts, 0, e, hosts)
+  seed = 0 if seed is None else seed  # Asynchronous: any order is typical.
+  return sum(total - hosts * epoch_length(counts, seed, e, hosts)
              for e in range(epochs)) / (epochs * total)
 
 
@@ -112,17 +115,13 @@ def _rounds(all_paths, indices, reader):
       one_round)
 
 
-def epoch_seed(seed, epoch):
-  """One seed for (seed, epoch): a shuffle's seed in each epoch."""
-  return seed * 1_000_003 + epoch
-
-
 def _window_seed(seed, epoch, window_index):
   """The shuffle seed of one window: a stateless draw from (seed, epoch,
   window), the same on every host and in every process."""
   return tf.random.stateless_uniform(
-      [], seed=tf.stack([epoch_seed(tf.cast(seed, tf.int64), epoch),
-                         window_index]),
+      [], seed=tf.stack([
+          randomness.epoch_seed(tf.cast(seed, tf.int64), epoch),
+          window_index]),
       minval=0, maxval=2**62, dtype=tf.int64)
 
 
@@ -132,18 +131,10 @@ def _shuffle_windows(records, seed, epoch, window, first_window):
   permutes them without copying: one window in memory, where batching
   and gathering it held three."""
   def permute(index, records_of_window):
-    return records_of_window.shuffle(
-        window, seed=_window_seed(seed, epoch, first_window + index),
-        reshuffle_each_iteration=False)
+    return randomness.shuffle(
+        records_of_window, window,
+        _window_seed(seed, epoch, first_window + index))
   return records.window(window).enumerate().flat_map(permute)
-
-
-def _seed_tensor(seed):
-  if seed is None:
-    # Traced once and shipped to every worker: a graph-level seed would be
-    # shared; each worker's clock is not.
-    return tf.cast(tf.timestamp() * 1e6, tf.int64)
-  return tf.constant(seed, tf.int64)
 
 
 def records(split, *, seed, hosts, host, position, window):
@@ -154,10 +145,10 @@ def records(split, *, seed, hosts, host, position, window):
   num_files = len(split.paths)
 
   def epoch_records(epoch):
-    epoch_seed = _seed_tensor(seed)
-    order = file_order(num_files, epoch_seed, epoch)
+    seed_of_run = randomness.seed_tensor(seed)
+    order = file_order(num_files, seed_of_run, epoch)
     return _shuffle_windows(
-        _rounds(all_paths, order[host::hosts], split.reader), epoch_seed,
+        _rounds(all_paths, order[host::hosts], split.reader), seed_of_run,
         epoch, window, 0).take(
             _epoch_length_tensor(split.counts, order, hosts))
 

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tfdist.data import cache as cache_lib
 from tfdist.data import order
+from tfdist.data import randomness
 from tfdist.data import sharding as sharding_lib
 from tfdist.data import service as service_lib
 from tfdist.data import sources
@@ -31,11 +32,8 @@ def _unit_mask(features, labels, *sample_weight):
 
 
 def _epoch_seed(seed, epoch):
-  if seed is None:
-    # The function is traced once and shipped to every worker, so any
-    # graph-level seed is shared; the clock on each worker is not.
-    return tf.cast(tf.timestamp() * 1e6, tf.int64) + epoch
-  return order.epoch_seed(seed, epoch)
+  return randomness.epoch_seed(randomness.seed_tensor(seed),
+                               tf.cast(epoch, tf.int64))
 
 
 def _in_one_tensor(dataset, num_examples):
@@ -47,18 +45,13 @@ def _in_one_tensor(dataset, num_examples):
       for spec in specs)
 
 
-def _augmented(examples, augment):
-  if augment is None:
-    return examples
-  return examples.map(augment, num_parallel_calls=tf.data.AUTOTUNE,
-                      deterministic=True)
-
-
 def _batches(source, num_examples, seed, start_example, batch_size,
-             augment=None, buffer=SHUFFLE_BUFFER):
+             augment=None, buffer=SHUFFLE_BUFFER, *, stream=0,
+             epoch_length=None):
   """Batches of `batch_size` examples, epoch after epoch, each epoch
   shuffled with its own seed, from example `start_example` on (a batch
-  may span two epochs).
+  may span two epochs). An epoch is the first `epoch_length` examples of
+  its shuffle (all of them by default); `stream` keys augmentation.
 
   Jumping to an epoch is free, so resuming costs at most one epoch of
   skipping however long the run already was. A small epoch is kept as one
@@ -67,7 +60,8 @@ def _batches(source, num_examples, seed, start_example, batch_size,
   tf.function loop, 12% of a 2-core host at the MLP's step rate
   (docs/benchmarks.md, "The CLI a user runs").
   """
-  first_epoch, offset = divmod(start_example, num_examples)
+  epoch_length = epoch_length or num_examples
+  first_epoch, offset = divmod(start_example, epoch_length)
   base = source()
   epochs = tf.data.Dataset.range(first_epoch, order.FOREVER)
   if augment is None and _in_one_tensor(base, num_examples):
@@ -80,7 +74,7 @@ def _batches(source, num_examples, seed, start_example, batch_size,
           tf.range(num_examples), seed=seed_pair)
       start = tf.where(epoch == first_epoch, offset, 0)
       return tf.nest.map_structure(
-          lambda t: tf.gather(t, order_[start:]), examples)
+          lambda t: tf.gather(t, order_[start:epoch_length]), examples)
 
     return tf.data.Dataset.zip(epochs, whole).map(permuted).rebatch(
         batch_size, drop_remainder=True)
@@ -88,10 +82,13 @@ def _batches(source, num_examples, seed, start_example, batch_size,
   buffer = min(num_examples, buffer)
 
   def one_epoch(epoch):
-    return base.shuffle(buffer, seed=_epoch_seed(seed, epoch))
+    return randomness.shuffle(base, buffer,
+                              _epoch_seed(seed, epoch)).take(epoch_length)
 
-  return _augmented(epochs.flat_map(one_epoch).skip(offset), augment).batch(
-      batch_size, drop_remainder=True)
+  examples = randomness.augmented(
+      epochs.flat_map(one_epoch).skip(offset), augment, seed=seed,
+      stream=stream, start=start_example)
+  return examples.batch(batch_size, drop_remainder=True)
 
 
 def _stream_batches(dataset, seed, start_example, batch_size, buffer):
@@ -103,11 +100,13 @@ def _stream_batches(dataset, seed, start_example, batch_size, buffer):
                     "without rereading).", dataset.name, start_example)
 
   def one_epoch(epoch):
-    return dataset.train_source().shuffle(buffer,
-                                          seed=_epoch_seed(seed, epoch))
+    return randomness.shuffle(dataset.train_source(), buffer,
+                              _epoch_seed(seed, epoch))
   examples = tf.data.Dataset.range(order.FOREVER).flat_map(one_epoch)
-  return _augmented(examples.skip(start_example), dataset.augment).batch(
-      batch_size, drop_remainder=True)
+  examples = randomness.augmented(
+      examples.skip(start_example), dataset.augment, seed=seed, stream=0,
+      start=start_example)
+  return examples.batch(batch_size, drop_remainder=True)
 
 
 def _planned_batches(dataset, seed, hosts, host, start_example, batch_size,
@@ -118,8 +117,11 @@ def _planned_batches(dataset, seed, hosts, host, start_example, batch_size,
                           position=start_example, window=buffer)
   examples = records.map(split.parse, num_parallel_calls=tf.data.AUTOTUNE,
                          deterministic=True)
-  return _augmented(examples, dataset.augment).batch(batch_size,
-                                                     drop_remainder=True)
+  # Hosts that read streams of their own draw apart.
+  examples = randomness.augmented(examples, dataset.augment, seed=seed,
+                                  stream=host if hosts > 1 else 0,
+                                  start=start_example)
+  return examples.batch(batch_size, drop_remainder=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +166,7 @@ def train_input_fn(dataset: sources.Dataset, *, global_batch_size, seed,
     hosts, host = context.num_input_pipelines, context.input_pipeline_id
     per_host = global_batch_size // hosts
     mode = sharding_lib.resolve_sharding(dataset, sharding, hosts,
-                                         streamed=policy.planned)
+                                         seed=seed, streamed=policy.planned)
     if mode == "file":
       per_replica = context.get_per_replica_batch_size(global_batch_size)
       batches = _file_batches(dataset, policy, seed, hosts, host,
@@ -191,10 +193,13 @@ def _file_batches(dataset, policy, seed, hosts, host, start, per_host,
     return _planned_batches(dataset, seed, hosts, host, start, per_host,
                             buffer)
   source, num_examples = dataset.train_files(hosts, host)
+  # Every host's epoch is as long as the shortest host's, so that hosts
+  # stay in the same epoch (each leaves out other examples each epoch).
+  shortest = min(dataset.train_files(hosts, h)[1] for h in range(hosts))
   return _batches(policy.source(dataset, source,
                                 cache_lib.host_name("train", host, hosts)),
                   num_examples, seed, start, per_host, dataset.augment,
-                  buffer)
+                  buffer, stream=host, epoch_length=shortest)
 
 
 def _all_batches(dataset, policy, seed, start, per_host, buffer,
@@ -272,21 +277,23 @@ class Inputs:
 
 
 def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
-                        eval_steps_requested=0, sharding="batch",
+                        seed, eval_steps_requested=0, sharding="batch",
                         num_hosts=1, cache="auto",
                         shuffle_buffer=SHUFFLE_BUFFER) -> Inputs:
-  """tfdist's own pipeline over unbatched examples."""
+  """tfdist's own pipeline over unbatched examples; `seed`: the run's."""
   policy = _Policy.of(dataset, cache)
   mode = sharding_lib.resolve_sharding(dataset, sharding, num_hosts,
-                                       streamed=policy.planned)
+                                       seed=seed, streamed=policy.planned)
   if not dataset.in_memory:
     logging.info("Input: %s is %s.", dataset.name,
                  cache_lib.describe(policy.cache, dataset))
   if num_hosts > 1:
     logging.info("Input sharding: %s: %s.", mode, sharding_lib.describe(
-        dataset, mode, sharding, num_hosts, policy.planned))
+        dataset, mode, sharding, num_hosts, policy.planned, seed))
   return Inputs(
-      plan=_plan(dataset, mode, num_hosts, shuffle_buffer),
+      plan={**_plan(dataset, global_batch_size, seed, shuffle_buffer),
+            "sharding": mode,
+            "input_pipelines": num_hosts if mode == "file" else 1},
       name=dataset.name,
       train_fn=lambda start_step, seed: train_input_fn(
           dataset, global_batch_size=global_batch_size, seed=seed,
@@ -313,23 +320,21 @@ def served_inputs(dataset: sources.Dataset, *, service, reader, run_name,
       global_batch_size=global_batch_size, seed=seed,
       shuffle_buffer=shuffle_buffer, python_ops=sources.python_ops, lag=lag)
   local = inputs_from_dataset(
-      dataset, global_batch_size=global_batch_size,
+      dataset, global_batch_size=global_batch_size, seed=seed,
       eval_steps_requested=eval_steps_requested, cache=cache,
       shuffle_buffer=shuffle_buffer)
   return dataclasses.replace(
       local, train_fn=lambda start_step, _seed: train_fn(start_step),
       state={"served_stream_lag": lag},
-      # The global batch: the stream's lag is counted in its examples.
-      plan={"sharding": f"tf.data service ({service.mode})",
-            "global_batch_size": global_batch_size,
-            "train_examples": dataset.num_train_examples,
-            "train_files": dataset.num_train_files,
-            "shuffle_buffer": shuffle_buffer})
+      plan={**_plan(dataset, global_batch_size, seed, shuffle_buffer),
+            "sharding": f"tf.data service ({service.mode})"})
 
 
-def _plan(dataset, mode, num_hosts, shuffle_buffer):
-  return {"sharding": mode, "input_pipelines": num_hosts if mode == "file"
-          else 1, "train_examples": dataset.num_train_examples,
+def _plan(dataset, global_batch_size, seed, shuffle_buffer):
+  """What places a resumed stream besides the step: where the examples
+  trained so far are is step x global batch, in the seed's order."""
+  return {"global_batch_size": global_batch_size, "seed": seed,
+          "train_examples": dataset.num_train_examples,
           "train_files": dataset.num_train_files,
           "shuffle_buffer": shuffle_buffer}
 
@@ -337,15 +342,25 @@ def _plan(dataset, mode, num_hosts, shuffle_buffer):
 def describe_plan_change(previous, plan, step):
   """A warning's text when a resume at `step` reads another plan than the
   run that saved: the epoch in progress may then repeat and skip
-  examples. None when the plans agree (or one is unknown)."""
-  if not previous or not plan or previous == plan:
+  examples. None when the plans agree (or one is unknown); a key the
+  saved plan lacks (an older run's) is not a change."""
+  if not previous or not plan:
     return None
-  changed = ", ".join(f"{k} {previous.get(k)} -> {v}"
-                      for k, v in plan.items() if previous.get(k) != v)
-  return (f"The input plan changed on resume at step {step}: {changed}. "
-          "The epoch in progress is read from the new plan, so some of its "
-          "examples may be trained twice and others not at all; the epochs "
-          "after it are exact.")
+  changed = [f"{k} {previous[k]} -> {v}" for k, v in plan.items()
+             if k in previous and previous[k] != v]
+  if not changed:
+    return None
+  batch = ""
+  if "global_batch_size" in previous and (
+      previous["global_batch_size"] != plan.get("global_batch_size")):
+    batch = (f" The stream starts at step x the new batch, example "
+             f"{step * plan['global_batch_size']}, where {step} steps of "
+             f"{previous['global_batch_size']} trained on "
+             f"{step * previous['global_batch_size']}.")
+  return (f"The input plan changed on resume at step {step}: "
+          f"{', '.join(changed)}.{batch} The epoch in progress is read "
+          "from the new plan, so some of its examples may be trained twice "
+          "and others not at all; the epochs after it are exact.")
 
 
 def inputs_from_task(task, *, global_batch_size,

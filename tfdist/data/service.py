@@ -36,8 +36,6 @@ from tfdist.errors import ConfigError
 from tfdist.service_address import MODES
 from tfdist.service_address import parse_address
 
-SLICE_FILES = 4  # Files per unit of a dynamic epoch read from files.
-IN_MEMORY_SLICES = 4  # Units per epoch of data held in memory.
 _TOKEN_LIMIT = 2**24  # Exact in a float32 all-reduce.
 
 

@@ -16,23 +16,30 @@ from absl import logging
 import tensorflow as tf
 
 from tfdist.data import order
-from tfdist.data import service
+from tfdist.data import randomness
+
+SLICE_FILES = 4  # Files per unit of a dynamic epoch read from many files.
+# Units per epoch, where the data allows: one unit an epoch would let 2
+# data workers read 2 epochs at once, and a resume taken as the later one
+# would skip the rest of the earlier.
+MIN_SLICES = 4
+
 
 def _seed_of(seed, unit):
-  return order.epoch_seed(tf.cast(seed, tf.int64), unit)
+  return randomness.epoch_seed(tf.cast(seed, tf.int64), unit)
 
 
 def slices_per_epoch(dataset):
   """S: units per epoch."""
   split = dataset.file_split
   if split is not None:
-    return max(1, len(split.paths) // service.SLICE_FILES)
+    # Fewer than SLICE_FILES * MIN_SLICES files: a file or two per unit.
+    return max(len(split.paths) // SLICE_FILES,
+               min(len(split.paths), MIN_SLICES))
   if dataset.num_train_examples is None:
     return 1
-  # A slice of a stream reads all of it (4 times the reads), but one unit
-  # an epoch would let 2 data workers read 2 epochs at once, and a resume
-  # taken as the later one would skip the rest of the earlier.
-  return max(1, min(service.IN_MEMORY_SLICES, dataset.num_train_examples))
+  # A slice of a stream reads all of it (4 times the reads).
+  return max(1, min(MIN_SLICES, dataset.num_train_examples))
 
 
 def _file_unit(split, slices, buffer):
@@ -43,10 +50,11 @@ def _file_unit(split, slices, buffer):
     epoch, part = unit // slices, unit % slices
     files = order.file_order(num_files, seed, epoch)[part::slices]
     read = tf.data.Dataset.from_tensor_slices(tf.gather(paths, files))
-    return read.interleave(
+    records_ = read.interleave(
         split.reader, cycle_length=order.CYCLE, block_length=1,
-        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).shuffle(
-            buffer, seed=_seed_of(seed, unit))
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return randomness.shuffle(records_, buffer, _seed_of(seed, unit)).map(
+        split.parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   return records
 
 
@@ -57,9 +65,8 @@ def _example_unit(dataset, slices, buffer):
   def examples(unit, seed):
     epoch, part = unit // slices, unit % slices
     # The same seed for every slice of an epoch: one permutation, cut.
-    return dataset.train_source().shuffle(
-        shuffled, seed=_seed_of(seed, epoch),
-        reshuffle_each_iteration=False).shard(slices, part)
+    return randomness.shuffle(dataset.train_source(), shuffled,
+                              _seed_of(seed, epoch)).shard(slices, part)
   return examples
 
 
@@ -93,12 +100,24 @@ def resume_point(dataset, *, trained, lag):
   return epoch * slices_per_epoch(dataset), lag
 
 
+def _augmented_unit(unit, augment):
+  """Each unit's examples augmented, keyed by (seed, unit, place in the
+  unit): a unit is read whole by one data worker, so its keys are the
+  same whoever reads it and after a resume."""
+  def examples(unit_index, seed):
+    return randomness.augmented(unit(unit_index, seed), augment, seed=seed,
+                                stream=unit_index, start=0)
+  return examples
+
+
 def served_examples(dataset, *, mode, seed, first_unit, buffer):
-  """Parsed, unbatched examples in units (see the module docstring)."""
+  """Parsed, augmented, unbatched examples in units (see the module
+  docstring)."""
   slices = slices_per_epoch(dataset)
   split = dataset.file_split
-  unit = (_file_unit(split, slices, buffer) if split is not None
-          else _example_unit(dataset, slices, buffer))
+  unit = _augmented_unit(
+      _file_unit(split, slices, buffer) if split is not None
+      else _example_unit(dataset, slices, buffer), dataset.augment)
   if mode == "parallel_epochs":
     # Each data worker runs the whole stream in an order of its own: a
     # seed drawn where it runs.
@@ -110,17 +129,10 @@ def served_examples(dataset, *, mode, seed, first_unit, buffer):
     examples = tf.data.Dataset.range(
         first_unit, order.FOREVER).flat_map(
             lambda u: unit(u, tf.constant(seed, tf.int64)))
-  if split is not None:
-    examples = examples.map(split.parse, num_parallel_calls=tf.data.AUTOTUNE,
-                            deterministic=True)
   return examples
 
 
 def served_batches(dataset, *, mode, seed, first_unit, batch_size, buffer):
   examples = served_examples(dataset, mode=mode, seed=seed,
                              first_unit=first_unit, buffer=buffer)
-  if dataset.augment is not None:
-    examples = examples.map(dataset.augment,
-                            num_parallel_calls=tf.data.AUTOTUNE,
-                            deterministic=True)
   return examples.batch(batch_size, drop_remainder=True)

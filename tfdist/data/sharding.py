@@ -13,36 +13,57 @@ from tfdist.errors import ConfigError
 MAX_LEFT_OUT = 0.02
 
 
-def resolve_sharding(dataset, sharding, num_hosts, *, streamed=False):
+def resolve_sharding(dataset, sharding, num_hosts, *, seed, streamed=False):
   """`batch` or `file` for --input_sharding=`sharding` on `num_hosts`.
 
   auto: `file` for data streamed from files when every host can have a
-  file of its own; `batch` otherwise, which keeps global batch k the same
+  file of its own and the run's first epochs (`seed`) leave out at most
+  MAX_LEFT_OUT of the records; `batch` otherwise, which keeps global batch k the same
   on any number of hosts (cached data costs nothing to read again).
   """
   if sharding == "auto":
     return "file" if streamed and num_hosts > 1 and (
         dataset.num_train_files >= num_hosts) and _left_out(
-            dataset, num_hosts) <= MAX_LEFT_OUT else "batch"
+            dataset, num_hosts, seed) <= MAX_LEFT_OUT else "batch"
   if sharding == "file" and dataset.num_train_files < num_hosts:
     raise ConfigError(
         f"--input_sharding=file gives each of the {num_hosts} hosts its own "
         f"files, but {dataset.name} has {dataset.num_train_files} train "
         "file(s). Use --input_sharding=batch (or auto). Received: "
         f"input_sharding=file with {num_hosts} hosts")
+  if sharding == "file" and not streamed and num_hosts > 1:
+    _check_fixed_files(dataset, num_hosts)
   return sharding
 
 
-def _left_out(dataset, num_hosts):
+def _check_fixed_files(dataset, num_hosts):
+  """Cached data keeps each host's files for the whole run, and a host's
+  epoch is as long as the shortest host's: a host with more examples
+  samples each of them less often. Refused past MAX_LEFT_OUT."""
+  sizes = [dataset.train_files(num_hosts, host)[1]
+           for host in range(num_hosts)]
+  left_out = 1 - num_hosts * min(sizes) / sum(sizes)
+  if left_out > MAX_LEFT_OUT:
+    raise ConfigError(
+        f"--input_sharding=file on cached data gives each host the same "
+        f"files every epoch, and hosts holding {min(sizes)} to {max(sizes)} "
+        f"examples would sample {left_out:.1%} of {dataset.name}'s examples "
+        f"less often than the rest (at most {MAX_LEFT_OUT:.0%}). Use "
+        "--cache=off (files dealt anew each epoch) or --input_sharding=batch."
+        f" Received: input_sharding=file on {num_hosts} hosts")
+
+
+def _left_out(dataset, num_hosts, seed):
   split = dataset.file_split
-  return order.left_out_share(split.counts, num_hosts) if split else 0.0
+  return (order.left_out_share(split.counts, num_hosts, seed) if split
+          else 0.0)
 
 
-def describe(dataset, mode, sharding, num_hosts, streamed):
+def describe(dataset, mode, sharding, num_hosts, streamed, seed):
   """The log line's reason for the sharding a run uses."""
   files = dataset.num_train_files
   if mode == "file":
-    left_out = _left_out(dataset, num_hosts)
+    left_out = _left_out(dataset, num_hosts, seed)
     return (f"each host reads only its own files, about 1/{num_hosts} of "
             f"{files}" + (
                 f"; each epoch leaves out about {left_out:.1%} of the "
@@ -59,8 +80,8 @@ def describe(dataset, mode, sharding, num_hosts, streamed):
              "one each)")
     else:
       why = (f" (by file, {files} files on {num_hosts} hosts would leave "
-             f"out {_left_out(dataset, num_hosts):.1%} of the records each "
-             f"epoch, more than {MAX_LEFT_OUT:.0%})")
+             f"out {_left_out(dataset, num_hosts, seed):.1%} of the records "
+             f"each epoch, more than {MAX_LEFT_OUT:.0%})")
   return (f"every host reads all {files or 'the'} train file(s) and keeps "
           f"its slice of each global batch{why}")
 

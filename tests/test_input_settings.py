@@ -1,0 +1,200 @@
+"""The settings a user changes first, in one process: a seed of 0 on every
+path a train pipeline takes, augmentation keyed by the example's place
+(different on every host, new each epoch, continued after a resume, and
+on batch sharding the single host's), a resume with another batch or
+seed named, and file sharding of cached data held to the shortest
+host."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdist import data
+from tfdist.data import service_units
+from tfdist.errors import ConfigError
+from test_file_input import _file_data
+from test_file_input import _write
+
+COUNTS = [30, 26, 34, 30, 28, 32]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("files"))
+  _write(path, COUNTS)
+  _write(path, [7, 5], prefix="eval")
+  return path
+
+
+@pytest.fixture
+def global_seed_zero():
+  """What keras.utils.set_random_seed(0) does to TF, undone after."""
+  tf.random.set_seed(0)
+  yield
+  tf.random.set_seed(None)
+
+
+@pytest.fixture
+def global_seed_one():
+  """A run's global seed (tfdist sets it): stateful draws repeat unless
+  their graph seed differs."""
+  tf.random.set_seed(1)
+  yield
+  tf.random.set_seed(None)
+
+
+def _stateless(features, label, seed):
+  return features + tf.random.stateless_uniform([1], seed, 0.0, 0.5), label
+
+
+def _stateful(features, label):
+  return features + tf.random.uniform([1], 0.0, 0.5), label
+
+
+def _batches(dataset, *, hosts=1, host=0, steps=4, start_step=0, batch=8,
+             seed=1, **kwargs):
+  context = tf.distribute.InputContext(num_input_pipelines=hosts,
+                                       input_pipeline_id=host,
+                                       num_replicas_in_sync=hosts)
+  batches = data.train_input_fn(dataset, global_batch_size=batch * hosts,
+                                seed=seed, start_step=start_step,
+                                **kwargs)(context)
+  return [(f.numpy()[:, 0], l.numpy()) for f, l in batches.take(steps)]
+
+
+def _draws(batches):
+  """Each example's draw: its feature less its id."""
+  return np.concatenate([f - l for f, l in batches])
+
+
+def _ids(batches):
+  return np.concatenate([l for _, l in batches]).tolist()
+
+
+@pytest.mark.parametrize("augment", [None, _stateless, _stateful])
+@pytest.mark.parametrize("cache,sharding", [
+    ("off", "file"), ("off", "batch"), ("memory", "batch")])
+def test_seed_zero_trains_on_every_path(root, global_seed_zero, augment,
+                                        cache, sharding):
+  dataset = data.file_dataset(_file_data(root, augment=augment), "zero")
+  for host in range(2):
+    assert len(_ids(_batches(dataset, hosts=2, host=host, seed=0,
+                             cache=cache, sharding=sharding))) == 32
+
+
+def test_seed_zero_on_a_users_pipeline_and_the_service(root,
+                                                       global_seed_zero):
+  files = sorted(tf.io.gfile.glob(f"{root}/train-*"))
+  parse = _file_data(root).parse
+  own = data.from_user("own", tf.data.TFRecordDataset(files).map(parse),
+                       tf.data.TFRecordDataset(files).map(parse))
+  assert len(_ids(_batches(own, seed=0))) == 32
+  for dataset in (own, data.file_dataset(_file_data(
+      root, augment=_stateless), "served")):
+    served = service_units.served_batches(
+        dataset, mode="dynamic", seed=0, first_unit=0, batch_size=8,
+        buffer=50)
+    assert next(iter(served))[1].shape == (8,)
+
+
+def test_keyed_draws_differ_by_host_and_epoch_and_continue_on_resume(root):
+  dataset = data.file_dataset(_file_data(root, augment=_stateless), "keyed")
+  kwargs = dict(hosts=2, cache="off", sharding="file", shuffle_buffer=20)
+  whole = _batches(dataset, host=1, steps=24, **kwargs)
+  assert np.all((_draws(whole) >= 0) & (_draws(whole) < 0.5))
+  # Rebuilt: the same draws. Resumed at step 10: the uninterrupted tail.
+  assert np.array_equal(_draws(whole),
+                         _draws(_batches(dataset, host=1, steps=24, **kwargs)))
+  resumed = _batches(dataset, host=1, steps=14, start_step=10, **kwargs)
+  assert _ids(resumed) == _ids(whole)[80:]
+  assert np.array_equal(_draws(resumed), _draws(whole)[80:])
+  # Host 0 draws apart from host 1 at the same places.
+  other = _draws(_batches(dataset, host=0, steps=24, **kwargs))
+  assert not np.any(other == _draws(whole))
+  # 192 examples, over two of the host's epochs (about 90 each, files
+  # dealt anew each epoch): an id read in two epochs gets two draws.
+  ids, draws = _ids(whole), _draws(whole)
+  twice = [i for i in set(ids) if ids.count(i) == 2]
+  assert len(twice) >= 10
+  for i in twice:
+    first, second = [d for j, d in zip(ids, draws) if j == i]
+    assert first != second
+
+
+def test_batch_sharding_draws_what_one_host_draws(root):
+  """Every host reads the one stream: the same keys, so two hosts' slices
+  of a global batch are the single host's batch, draws included."""
+  dataset = data.file_dataset(_file_data(root, augment=_stateless), "one")
+  single = _batches(dataset, steps=6, batch=16, cache="off")
+  halves = [_batches(dataset, hosts=2, host=h, steps=6, cache="off",
+                     sharding="batch") for h in range(2)]
+  for step, (features, labels) in enumerate(single):
+    assert labels.tolist() == (halves[0][step][1].tolist()
+                               + halves[1][step][1].tolist())
+    assert np.array_equal(features, np.concatenate(
+        [halves[0][step][0], halves[1][step][0]]))
+
+
+def test_stateful_draws_differ_by_host_and_are_not_replayed(
+    root, global_seed_one):
+  dataset = data.file_dataset(_file_data(root, augment=_stateful), "stateful")
+  kwargs = dict(hosts=2, cache="off", sharding="file", shuffle_buffer=20)
+  # A parallel map hands a stateful op's values to examples in any order:
+  # compare the values drawn, sorted.
+  def drawn(**more):
+    return np.sort(_draws(_batches(dataset, **kwargs, **more)))
+  assert not np.allclose(drawn(host=0), drawn(host=1), atol=1e-4)
+  # A resume draws anew: its first draws are not the run's first draws.
+  assert not np.allclose(drawn(host=0, start_step=10), drawn(host=0),
+                         atol=1e-4)
+
+
+def test_a_resume_with_another_batch_or_seed_is_named():
+  plan = {"global_batch_size": 64, "seed": 0, "sharding": "file",
+          "input_pipelines": 2, "train_examples": 512, "train_files": 8,
+          "shuffle_buffer": 10000}
+  assert data.describe_plan_change(plan, dict(plan), 30) is None
+  message = data.describe_plan_change(
+      plan, {**plan, "global_batch_size": 32}, 30)
+  assert message.startswith("The input plan changed on resume at step 30: "
+                             "global_batch_size 64 -> 32.")
+  assert "example 960, where 30 steps of 64 trained on 1920" in message
+  assert "seed 0 -> 7" in data.describe_plan_change(plan, {**plan, "seed": 7},
+                                                    30)
+  # A plan saved before the seed was kept: not a change.
+  older = {k: v for k, v in plan.items() if k != "seed"}
+  assert data.describe_plan_change(older, plan, 30) is None
+
+
+def test_the_plan_keeps_the_batch_and_the_seed(root):
+  dataset = data.file_dataset(_file_data(root), "plan")
+  inputs = data.inputs_from_dataset(dataset, global_batch_size=48, seed=0)
+  assert inputs.plan["global_batch_size"] == 48 and inputs.plan["seed"] == 0
+
+
+def test_file_sharding_of_cached_uneven_hosts_is_refused(root, tmp_path):
+  """3 equal files on 2 hosts: host 0 holds two, host 1 one; a host's
+  epoch is the shortest host's, so host 0's examples would be trained
+  half as often. One line, not a skew."""
+  _write(str(tmp_path), [20, 20, 20])
+  _write(str(tmp_path), [4], prefix="eval")
+  three = data.file_dataset(_file_data(str(tmp_path)), "three")
+  with pytest.raises(ConfigError, match=r"hosts holding 20 to 40 examples "
+                     r"would sample 33\.3% .* Use --cache=off"):
+    _batches(three, hosts=2, cache="memory", sharding="file")
+  # Streamed, files are dealt anew each epoch: allowed.
+  assert len(_ids(_batches(three, hosts=2, cache="off",
+                           sharding="file"))) == 32
+
+
+def test_few_files_make_several_service_units(root):
+  """Fewer than 8 files once made one unit per epoch, which 2 data
+  workers read as two epochs at once."""
+  dataset = data.file_dataset(_file_data(root), "units")
+  assert service_units.slices_per_epoch(dataset) == 4
+  three = dataclasses.replace(dataset, file_split=dataclasses.replace(
+      dataset.file_split, paths=dataset.file_split.paths[:3],
+      counts=dataset.file_split.counts[:3]))
+  assert service_units.slices_per_epoch(three) == 3
