@@ -198,3 +198,50 @@ def test_few_files_make_several_service_units(root):
       dataset.file_split, paths=dataset.file_split.paths[:3],
       counts=dataset.file_split.counts[:3]))
   assert service_units.slices_per_epoch(three) == 3
+
+
+def _write_pixels(root, compression):
+  """100 records of 4096 bytes (uint8 pixels, all zero: GZIP shrinks them
+  to almost nothing) that parse into 16 KiB of float32 each."""
+  options = tf.io.TFRecordOptions(compression_type=compression)
+  for split, count in (("train", 100), ("eval", 4)):
+    with tf.io.TFRecordWriter(f"{root}/{split}-0", options) as out:
+      for _ in range(count):
+        out.write(bytes(4096))
+
+
+def _pixels(record):
+  pixels = tf.io.decode_raw(record, tf.uint8)
+  return tf.cast(tf.reshape(pixels, [4096]), tf.float32), tf.constant(0)
+
+
+@pytest.mark.parametrize("compression", ["", "GZIP"])
+def test_cache_auto_weighs_what_the_cache_would_hold(tmp_path, monkeypatch,
+                                                     compression):
+  """400 KiB of records on disk (or less, compressed) are 1.6 MiB parsed:
+  past a 1 MiB limit they are streamed, not cached."""
+  from tfdist.data import cache as cache_lib
+  monkeypatch.setattr(cache_lib, "AUTO_CACHE_BYTES", 1 << 20)
+  _write_pixels(str(tmp_path), compression)
+  pixels = data.file_dataset(data.FileData(
+      train=f"{tmp_path}/train-*", eval=f"{tmp_path}/eval-*", parse=_pixels,
+      compression=compression), "pixels")
+  assert pixels.train_bytes < 1 << 20
+  assert pixels.cache_bytes == 100 * (4096 * 4 + 4)  # Pixels and label.
+  assert cache_lib.resolve("auto", pixels) == "off"
+  assert "about 2 MiB parsed" in cache_lib.describe("off", pixels)
+  monkeypatch.setattr(cache_lib, "AUTO_CACHE_BYTES", 2 << 20)
+  assert cache_lib.resolve("auto", pixels) == "memory"
+
+
+def test_a_task_may_return_file_data(root):
+  import tfdist
+
+  class FileTask(tfdist.Task):
+    def build_model(self):
+      raise AssertionError("not built here")
+
+    def datasets(self):
+      return _file_data(root)
+  dataset = FileTask().data()
+  assert dataset.file_split is not None and dataset.num_train_examples == 180

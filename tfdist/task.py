@@ -84,12 +84,7 @@ class Task:
 
   def data(self):
     """The datasets as a tfdist.data.Dataset (counted once)."""
-    from tfdist import data
-    pair = self.datasets()
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-      raise ConfigError(f"{self.display_name}.datasets() must return "
-                        f"(train, eval). Received: a {type(pair).__name__}")
-    return data.from_user(f"{self.display_name}.datasets()", *pair)
+    return _as_dataset(self.datasets(), f"{self.display_name}.datasets()")
 
   @property
   def controls_input(self):
@@ -284,16 +279,22 @@ def load_task(reference):
 
 def user_dataset(reference):
   """--dataset=module:function returning (train, eval)."""
-  from tfdist import data
   function = import_object(reference, flag="dataset")
-  pair = call_user(function, flag="dataset", reference=reference)
-  if isinstance(pair, data.FileData):
-    return data.file_dataset(pair, f"--dataset={reference}")
-  if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-    raise ConfigError(f"--dataset={reference} must return a tfdist.FileData "
-                      "or (train, eval) tf.data.Datasets. Received: a "
-                      f"{type(pair).__name__}")
-  return data.from_user(f"--dataset={reference}", *pair)
+  return _as_dataset(call_user(function, flag="dataset", reference=reference),
+                     f"--dataset={reference}")
+
+
+def _as_dataset(returned, name):
+  """A tfdist.data.Dataset from what a user's function `name` returned: a
+  tfdist.FileData or (train, eval) tf.data.Datasets."""
+  from tfdist import data
+  if isinstance(returned, data.FileData):
+    return data.file_dataset(returned, name)
+  if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
+    raise ConfigError(f"{name} must return a tfdist.FileData or (train, "
+                      "eval) tf.data.Datasets. Received: a "
+                      f"{type(returned).__name__}")
+  return data.from_user(name, *returned)
 
 
 def _with_classification_shape(dataset):

@@ -2,21 +2,57 @@
 
 Data in memory (arrays) is always cached: that costs nothing. Data read
 from files is cached by `memory` or into files at PATH (one per host and
-split), and streamed by `off`. `auto` caches it in memory only when its
-files take at most AUTO_CACHE_BYTES, so that nothing is cached unless it
-fits. Augmentation runs after the cache either way.
+split), and streamed by `off`. `auto` caches it in memory only when what
+the cache would hold, the parsed examples (decoded images are many times
+their compressed files), takes at most AUTO_CACHE_BYTES, so that nothing
+is cached unless it fits. Augmentation runs after the cache either way.
 """
 
+import numpy as np
+import tensorflow as tf
+
 AUTO_CACHE_BYTES = 64 << 20
+
+
+def example_bytes(example):
+  """Bytes one parsed example takes in a cache (strings: their length)."""
+  total = 0
+  for tensor in tf.nest.flatten(example):
+    value = np.asarray(tensor.numpy() if hasattr(tensor, "numpy")
+                       else tensor)
+    if value.dtype == object:
+      total += sum(len(v) for v in value.ravel()) + 8 * value.size
+    else:
+      total += value.nbytes
+  return total
+
+
+def spec_bytes(spec):
+  """Bytes of one example of `spec` when every shape is known and nothing
+  is a string; None otherwise."""
+  total = 0
+  for one in tf.nest.flatten(spec):
+    if not (isinstance(one, tf.TensorSpec) and one.shape.is_fully_defined()
+            and one.dtype != tf.string):
+      return None
+    total += one.shape.num_elements() * one.dtype.size
+  return total
 
 
 def resolve(choice, dataset):
   """`memory`, `off` or a path prefix, for a Dataset not in memory."""
   if choice != "auto":
     return choice
-  small = dataset.train_bytes is not None and (
-      dataset.train_bytes <= AUTO_CACHE_BYTES)
-  return "memory" if small else "off"
+  size = _weighed(dataset)
+  return "memory" if size is not None and size <= AUTO_CACHE_BYTES else "off"
+
+
+def _weighed(dataset):
+  """What a cache of the train split would hold: its parsed examples when
+  known, else its bytes on disk."""
+  if dataset.cache_bytes is not None:
+    return dataset.cache_bytes
+  return dataset.train_bytes
 
 
 def cached(source, mode, name):
@@ -36,10 +72,12 @@ def host_name(split, host, hosts):
 
 
 def describe(mode, dataset):
+  parsed = dataset.cache_bytes
+  parsed = f", about {parsed / 2**20:.0f} MiB parsed" if parsed else ""
   if mode == "memory":
-    return "cached in memory"
+    return f"cached in memory{parsed}"
   if mode == "off":
     size = dataset.train_bytes
     return ("streamed from its files, not cached"
-            + (f" ({size / 2**20:.0f} MiB)" if size else ""))
-  return f"cached in files at {mode}-*"
+            + (f" ({size / 2**20:.0f} MiB on disk{parsed})" if size else ""))
+  return f"cached in files at {mode}-*{parsed}"

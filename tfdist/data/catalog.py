@@ -8,6 +8,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from tfdist import digits
+from tfdist.data import cache as cache_lib
 from tfdist.data import files
 from tfdist.data import sources
 from tfdist.errors import ConfigError, TfdistError
@@ -69,7 +70,16 @@ def _from_builder(builder):
       num_test_examples=splits[test_split].num_examples,
       train_source=source("train"), test_source=source(test_split),
       file_split=_file_split(builder, "train"),
-      train_bytes=splits["train"].num_bytes, in_memory=False)
+      train_bytes=splits["train"].num_bytes, in_memory=False,
+      cache_bytes=_parsed_bytes(features, splits["train"].num_examples))
+
+
+def _parsed_bytes(features, num_examples):
+  """Decoded float32 images and int32 labels, when the shape is fixed."""
+  one = cache_lib.spec_bytes((
+      tf.TensorSpec(features["image"].shape, tf.float32),
+      tf.TensorSpec([], tf.int32)))
+  return None if one is None else one * num_examples
 
 
 def _synthetic(shape, num_classes, seed, size=1024):

@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 from absl import logging
 import tensorflow as tf
 
+from tfdist.data import cache as cache_lib
 from tfdist.data import sources
 from tfdist.errors import ConfigError
 
@@ -191,8 +192,8 @@ def to_dataset(file_data: FileData, name) -> sources.Dataset:
   first record of each."""
   train = _split(file_data, "train", name)
   test = _split(file_data, "eval", name)
-  for split, files in (("train", train), ("eval", test)):
-    _check_parse(files, split, name)
+  first = _check_parse(train, "train", name)
+  _check_parse(test, "eval", name)
   return sources.Dataset(
       name=name, num_train_examples=train.num_examples,
       num_test_examples=test.num_examples,
@@ -200,16 +201,18 @@ def to_dataset(file_data: FileData, name) -> sources.Dataset:
       num_classes=file_data.num_classes, num_train_files=len(train.paths),
       train_files=lambda hosts, host: _host_files(train, hosts, host),
       file_split=train, augment=file_data.augment,
-      train_bytes=_size(train.paths), in_memory=False)
+      train_bytes=_size(train.paths), in_memory=False,
+      cache_bytes=cache_lib.example_bytes(first) * train.num_examples)
 
 
 def _check_parse(files, split, name):
-  """Parses the split's first record: a parse that does not fit the
-  records fails here in one line, not at step 0 in a traceback."""
+  """Parses the split's first record, and returns it: a parse that does
+  not fit the records fails here in one line, not at step 0 in a
+  traceback."""
   try:
     examples = files.examples()
     sources.check_element_spec(name, split, examples.element_spec)
-    next(iter(examples.take(1)))
+    return next(iter(examples.take(1)))
   except ConfigError:
     raise
   except Exception as e:  # The user's parse may raise anything.

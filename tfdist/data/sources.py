@@ -43,8 +43,11 @@ class Dataset:
   # (features, labels[, sample_weight]) -> the same: train only, after any
   # cache, so that each epoch draws its own random augmentation.
   augment: Optional[Callable] = None
-  # Bytes of the train split on disk, when known: what --cache=auto weighs.
+  # Bytes of the train split on disk, when known.
   train_bytes: Optional[int] = None
+  # Bytes its parsed examples take, estimated: what --cache=auto weighs
+  # (train_bytes when unknown).
+  cache_bytes: Optional[int] = None
   # The source holds its data in this process (arrays): caching is free.
   in_memory: bool = True
 
