@@ -245,3 +245,52 @@ def test_a_task_may_return_file_data(root):
       return _file_data(root)
   dataset = FileTask().data()
   assert dataset.file_split is not None and dataset.num_train_examples == 180
+
+
+_CUT_SHORT = """
+import os, sys
+import tensorflow as tf
+sys.path.insert(0, sys.argv[2])
+from test_file_input import _file_data
+from tfdist import data
+# An augment and a small buffer: the first batch reads a few records.
+dataset = data.file_dataset(_file_data(sys.argv[1], augment=lambda *e: e),
+                            "cut")
+batches = data.train_input_fn(dataset, global_batch_size=8, seed=1,
+                              cache=sys.argv[3], shuffle_buffer=4)(
+                                  tf.distribute.InputContext())
+iterator = iter(batches)
+for _ in range(5):  # The cache's first pass has begun, not ended.
+  next(iterator)
+os._exit(0)  # As a preempted worker ends: no clean-up.
+"""
+
+
+def test_a_file_cache_cut_short_or_of_other_data_is_written_again(
+    root, tmp_path):
+  import os
+  import subprocess
+  import sys
+  prefix = str(tmp_path / "cache")
+  subprocess.run([sys.executable, "-c", _CUT_SHORT, root,
+                  os.path.dirname(__file__), prefix], check=True,
+                 capture_output=True, timeout=120)
+  assert tf.io.gfile.glob(prefix + "-train-0-of-1_*.lockfile")
+  dataset = data.file_dataset(_file_data(root), "cut")
+  # 180 examples: 23 batches of 8 fill the cache, the rest is read from it.
+  ids = _ids(_batches(dataset, steps=45, cache=prefix))
+  assert sorted(ids[:176]) == sorted(set(ids[:176]))
+  assert tf.io.gfile.exists(prefix + "-train-0-of-1.index")
+  assert _ids(_batches(dataset, steps=45, cache=prefix)) == ids
+  # Other data under the same --cache: its own cache, not this one's.
+  other = dataclasses.replace(dataset, name="other", num_train_examples=90,
+                              file_split=dataclasses.replace(
+                                  dataset.file_split,
+                                  paths=dataset.file_split.paths[:3],
+                                  counts=dataset.file_split.counts[:3]))
+  other = dataclasses.replace(
+      other, train_source=other.file_split.examples)
+  again = _ids(_batches(other, steps=22, cache=prefix))
+  assert max(again) < 90 and sorted(again[:88]) == sorted(set(again[:88]))
+  with open(prefix + "-train-0-of-1.tfdist.json") as mark:
+    assert '"data": "other"' in mark.read()

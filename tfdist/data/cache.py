@@ -8,6 +8,9 @@ their compressed files), takes at most AUTO_CACHE_BYTES, so that nothing
 is cached unless it fits. Augmentation runs after the cache either way.
 """
 
+import json
+
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -55,14 +58,67 @@ def _weighed(dataset):
   return dataset.train_bytes
 
 
-def cached(source, mode, name):
+def cached(source, mode, name, identity=None):
   """`source` (a function returning a tf.data.Dataset) with the cache
-  `mode`; `name` tells apart the files of a PATH cache."""
+  `mode`; `name` tells apart the files of a PATH cache, and `identity`
+  (JSON-able) says what data they hold."""
   if mode == "off":
     return source
   if mode == "memory":
     return lambda: source().cache()
-  return lambda: source().cache(f"{mode}-{name}")
+  prefix = f"{mode}-{name}"
+
+  def from_files():
+    _prepare(prefix, identity)
+    return source().cache(prefix)
+  return from_files
+
+
+def identity(dataset, split):
+  """What a cache file of `split` holds: the data's name, size, files and
+  parse, so that a cache of other data is not read back."""
+  files = dataset.file_split
+  parse = getattr(files, "parse", None)
+  return {"data": dataset.name, "split": split,
+          "examples": (dataset.num_train_examples if split == "train"
+                       else dataset.num_test_examples),
+          "files": sorted(zip(files.paths, files.counts)) if files else None,
+          "parse": getattr(parse, "__qualname__", None)}
+
+
+def _prepare(prefix, held):
+  """Before TF's file cache at `prefix` is used: a cache of other data is
+  removed (its `.tfdist.json` names what it holds), and so is a first pass
+  cut short (its lockfile and partial shards, which TF takes for a
+  concurrent writer). Each host owns its own prefix."""
+  mark = prefix + ".tfdist.json"
+  wanted = json.dumps(held, sort_keys=True)
+  if tf.io.gfile.exists(prefix + ".index"):
+    if _read(mark) == wanted:
+      return
+    logging.warning("The cache at %s* holds other data than %s: it is "
+                    "written again.", prefix, held.get("data") if held
+                    else "this run's")
+    stale = [prefix + ".index", mark, *tf.io.gfile.glob(prefix + ".data-*")]
+  else:
+    stale = [*tf.io.gfile.glob(prefix + ".lockfile"),
+             *tf.io.gfile.glob(prefix + "_[0-9]*")]
+    if stale:
+      logging.warning("The cache at %s* was cut short before it was "
+                      "complete (a preemption?): it is written again.",
+                      prefix)
+  for path in stale:
+    if tf.io.gfile.exists(path):
+      tf.io.gfile.remove(path)
+  with tf.io.gfile.GFile(mark, "w") as out:
+    out.write(wanted)
+
+
+def _read(path):
+  if not tf.io.gfile.exists(path):
+    return None
+  with tf.io.gfile.GFile(path) as lines:
+    return lines.read()
 
 
 def host_name(split, host, hosts):

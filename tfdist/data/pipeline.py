@@ -144,7 +144,8 @@ class _Policy:
   def source(self, dataset, source, name):
     if dataset.in_memory:
       return source
-    return cache_lib.cached(source, self.cache, name)
+    return cache_lib.cached(source, self.cache, name, cache_lib.identity(
+        dataset, name.split("-")[0]))
 
 
 def train_input_fn(dataset: sources.Dataset, *, global_batch_size, seed,
