@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tfdist import data
 from tfdist.data import cache as cache_lib
+from tfdist.data import counts as counts_lib
 from tfdist.data import files as files_lib
 from tfdist.data import order
 from tfdist.errors import ConfigError
@@ -81,7 +82,7 @@ def test_records_are_counted_from_the_headers_locally_and_on_ram(root,
   _write("ram://tfdist-counts", [3, 0, 4])
   for path, count in zip(sorted(tf.io.gfile.glob("ram://tfdist-counts/*")),
                          [3, 0, 4]):
-    assert files_lib.count_records(path, "") == count
+    assert counts_lib.count_records(path, "") == count
 
 
 def _epochs(split, hosts, host, seed, epochs, window=16):
@@ -224,7 +225,7 @@ def test_augmentation_is_drawn_anew_every_epoch(root, cache):
 
 def test_cache_auto_keeps_small_files_in_memory(dataset):
   assert cache_lib.resolve("auto", dataset) == "memory"
-  huge = dataclasses.replace(dataset, train_bytes=1 << 40)
+  huge = dataclasses.replace(dataset, cache_bytes=1 << 40)
   assert cache_lib.resolve("auto", huge) == "off"
   assert cache_lib.resolve("/tmp/c", huge) == "/tmp/c"
 

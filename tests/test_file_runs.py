@@ -126,6 +126,9 @@ def test_one_host_trains_each_example_once_per_epoch_across_a_sigterm(
     first.stdout.close()
   assert first.wait(timeout=120) == 42, "".join(lines[-40:])
   output = _run(outside, "tfdist.train", args[3:], env)
+  # The counts the first run kept: the resume counts no file again.
+  assert re.search(r"train: 512 records in 8 file\(s\); 0 file\(s\) "
+                   r"counted in \S+ s, 8 known", output), output[-3000:]
   resumed = int(re.search(r"Resumed from \S+ at step (\d+)", output).group(1))
   assert 10 <= resumed < 16, output[-3000:]  # Inside the first epoch.
   assert artifacts.checkpoint_step(model_dir) == steps

@@ -294,3 +294,56 @@ def test_a_file_cache_cut_short_or_of_other_data_is_written_again(
   assert max(again) < 90 and sorted(again[:88]) == sorted(set(again[:88]))
   with open(prefix + "-train-0-of-1.tfdist.json") as mark:
     assert '"data": "other"' in mark.read()
+
+
+def _read_bytes():
+  with open("/proc/self/io") as io:
+    return int(dict(line.split(": ") for line in io.read().splitlines())
+               ["rchar"])
+
+
+def test_a_resume_counts_nothing_again(tmp_path, monkeypatch):
+  """GZIP files are counted by decompressing them: 3 MB read. With the
+  counts an earlier run kept (or a user's), only the parse check's first
+  record is read, and no file is counted unless it changed."""
+  from tfdist.data import counts as counts_lib
+  rng = np.random.default_rng(0)
+  options = tf.io.TFRecordOptions(compression_type="GZIP")
+  for f in range(8):
+    with tf.io.TFRecordWriter(f"{tmp_path}/train-{f}", options) as out:
+      for _ in range(200):
+        out.write(rng.bytes(2000))  # Incompressible.
+  with tf.io.TFRecordWriter(f"{tmp_path}/eval-0", options) as out:
+    out.write(rng.bytes(2000))
+  file_data = data.FileData(train=f"{tmp_path}/train-*",
+                            eval=f"{tmp_path}/eval-*", parse=_length,
+                            compression="GZIP")
+  before = _read_bytes()
+  first = data.file_dataset(file_data, "gzip")
+  assert _read_bytes() - before > 3_000_000
+  counted = []
+  original = counts_lib.count_records
+  monkeypatch.setattr(counts_lib, "count_records",
+                      lambda path, c: counted.append(path) or original(path,
+                                                                       c))
+  before = _read_bytes()
+  again = data.file_dataset(file_data, "gzip", first.record_counts)
+  assert _read_bytes() - before < 1_000_000 and not counted
+  assert again.file_split.counts == first.file_split.counts == (200,) * 8
+  # A file rewritten since is counted again; a user's counts are used.
+  with tf.io.TFRecordWriter(f"{tmp_path}/train-3", options) as out:
+    out.write(rng.bytes(2000))
+  changed = data.file_dataset(file_data, "gzip", first.record_counts)
+  assert counted == [f"{tmp_path}/train-3"]
+  assert changed.file_split.counts[3] == 1
+  given = dataclasses.replace(file_data, record_counts={
+      f"{tmp_path}/train-{f}": 1 if f == 3 else 200 for f in range(8)})
+  assert data.file_dataset(given, "given").num_train_examples == 1401
+  assert counted == [f"{tmp_path}/train-3", f"{tmp_path}/eval-0"]
+  with pytest.raises(ConfigError, match=r"record_counts takes \{path: "
+                     r"records\}.*Received: record_counts=\{'a': -1\}"):
+    dataclasses.replace(file_data, record_counts={"a": -1})
+
+
+def _length(record):
+  return tf.cast(tf.strings.length(record), tf.float32)[None], tf.constant(0)

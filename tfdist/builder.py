@@ -385,7 +385,8 @@ def _checkpoint_store(config, task, parts, write_dir, inputs):
       signature=checkpoints.model_signature(
           model_name=task.display_name, model=parts.model,
           num_classes=getattr(task, "num_classes", None)),
-      run_record={"schedule": parts.schedule, "input": inputs.plan})
+      run_record={"schedule": parts.schedule, "input": inputs.plan,
+                  "record_counts": inputs.record_counts})
 
 
 def _startup_scalars(info, parts):

@@ -23,6 +23,27 @@ SURVIVORS_DIR = "survivors"
 UNREADABLE = (tf.errors.OpError, IndexError, OSError, EOFError)
 
 
+def read_json(model_dir, name):
+  """A JSON file tfdist wrote in model_dir, or None."""
+  path = storage.join(model_dir, name)
+  if not tf.io.gfile.exists(path):
+    return None
+  with tf.io.gfile.GFile(path) as f:
+    return json.load(f)
+
+
+def kept_record_counts(model_dir):
+  """The record counts an earlier run of model_dir kept (or None): a
+  resume need not count its files again. A record that does not parse
+  only costs a count."""
+  try:
+    record = read_json(model_dir, RUN_FILE) or {}
+  except (ValueError, tf.errors.OpError):
+    return None
+  counts = record.get("record_counts") if isinstance(record, dict) else None
+  return counts if isinstance(counts, dict) else None
+
+
 def model_signature(*, model_name, model, num_classes=None):
   """What must match for a checkpoint to be restored into this model."""
   return {
@@ -267,11 +288,7 @@ class CheckpointStore:
     return self._previous_run
 
   def _read_json(self, name):
-    path = storage.join(self._model_dir, name)
-    if not tf.io.gfile.exists(path):
-      return None
-    with tf.io.gfile.GFile(path) as f:
-      return json.load(f)
+    return read_json(self._model_dir, name)
 
   def _write_json(self, name, value):
     storage.write_text(storage.join(self._model_dir, name),

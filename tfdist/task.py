@@ -277,19 +277,20 @@ def load_task(reference):
   return task
 
 
-def user_dataset(reference):
-  """--dataset=module:function returning (train, eval)."""
+def user_dataset(reference, known_counts=None):
+  """--dataset=module:function returning a FileData or (train, eval);
+  `known_counts`: record counts an earlier run kept."""
   function = import_object(reference, flag="dataset")
   return _as_dataset(call_user(function, flag="dataset", reference=reference),
-                     f"--dataset={reference}")
+                     f"--dataset={reference}", known_counts)
 
 
-def _as_dataset(returned, name):
+def _as_dataset(returned, name, known_counts=None):
   """A tfdist.data.Dataset from what a user's function `name` returned: a
   tfdist.FileData or (train, eval) tf.data.Datasets."""
   from tfdist import data
   if isinstance(returned, data.FileData):
-    return data.file_dataset(returned, name)
+    return data.file_dataset(returned, name, known_counts)
   if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
     raise ConfigError(f"{name} must return a tfdist.FileData or (train, "
                       "eval) tf.data.Datasets. Received: a "
@@ -333,7 +334,9 @@ def from_config(config, *, partitioner=None, tensor_parallel_devices=None):
   else:
     models.check_name(config.model)
   if is_reference(config.dataset):
-    dataset = user_dataset(config.dataset)
+    from tfdist import checkpoints  # pylint: disable=g-import-not-at-top
+    dataset = user_dataset(config.dataset, checkpoints.kept_record_counts(
+        config.model_dir))
   else:
     dataset = data.load(config)
   if is_reference(config.model):

@@ -14,23 +14,19 @@ fits (--cache), hosts read their own files, and a resume starts where it
 stopped without rereading (tfdist.data.order).
 """
 
-import concurrent.futures
 import dataclasses
-import os
-import struct
 import time
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Callable, Mapping, Optional, Sequence, Tuple, Union
 
 from absl import logging
 import tensorflow as tf
 
 from tfdist.data import cache as cache_lib
+from tfdist.data import counts as counts_lib
 from tfdist.data import sources
 from tfdist.errors import ConfigError
 
 COMPRESSIONS = ("", "GZIP", "ZLIB")
-_HEADER = 12  # uint64 length, uint32 masked CRC of the length.
-_FOOTER = 4  # uint32 masked CRC of the data.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,6 +41,9 @@ class FileData:
   num_classes: the number of classes, for a zoo model (--model=resnet20,
     say); a model of your own does not need it.
   compression: "", "GZIP" or "ZLIB", as the files were written.
+  record_counts: optional, {path: records} for files whose records you
+    know (paths as the patterns match them): those are not counted. A run
+    also keeps the counts it made, so a resume counts nothing again.
   """
 
   train: Union[str, Sequence[str]]
@@ -53,6 +52,7 @@ class FileData:
   augment: Optional[Callable] = None
   num_classes: Optional[int] = None
   compression: str = ""
+  record_counts: Optional[Mapping[str, int]] = None
 
   def __post_init__(self):
     for name in ("train", "eval"):
@@ -72,6 +72,7 @@ class FileData:
         isinstance(self.num_classes, int) and self.num_classes > 0):
       raise ConfigError("FileData num_classes must be a positive integer. "
                         f"Received: num_classes={self.num_classes!r}")
+    counts_lib.check_given(self.record_counts)
     if self.compression not in COMPRESSIONS:
       raise ConfigError(f"FileData compression must be one of "
                         f"{COMPRESSIONS}. Received: "
@@ -86,6 +87,8 @@ class FileSplit:
   counts: Tuple[int, ...]
   compression: str
   parse: Callable
+  # {path: counts.Found} of every file matched, empty ones included.
+  found: dict = dataclasses.field(default_factory=dict, compare=False)
 
   @property
   def num_examples(self):
@@ -121,77 +124,36 @@ def _expand(patterns, split, name):
   return sorted(paths)
 
 
-def _scan(stream, size):
-  """Records in a TFRecord stream of `size` bytes, reading 12 bytes of
-  each. A length that runs past the end is not a TFRecord file (the
-  headers' CRCs are not checked: that would read them in Python)."""
-  records = position = 0
-  while position < size:
-    header = stream.read(_HEADER)
-    (length,) = struct.unpack("<Q", header.ljust(_HEADER, b"\0")[:8])
-    position += _HEADER + length + _FOOTER
-    if len(header) < _HEADER or position > size:
-      raise ValueError(f"record {records} runs past the end of the file")
-    stream.seek(length + _FOOTER, 1)
-    records += 1
-  return records
-
-
-def count_records(path, compression):
-  """A TFRecord file's records. Local files: from the headers alone
-  (unbuffered, so 12 bytes per record are read). Other filesystems read
-  through a buffer; compressed files are decompressed once."""
-  if compression:
-    return int(tf.data.TFRecordDataset(path, compression_type=compression)
-               .reduce(0, lambda total, _: total + 1))
-  if "://" not in path:
-    with open(path, "rb", buffering=0) as stream:
-      return _scan(stream, os.fstat(stream.fileno()).st_size)
-  with tf.io.gfile.GFile(path, "rb") as stream:
-    return _scan(stream, stream.size())
-
-
-def _counts(paths, compression, name):
-  def one(path):
-    try:
-      return count_records(path, compression)
-    except (OSError, ValueError, tf.errors.OpError) as e:
-      raise ConfigError(f"{name}: cannot read {path} as TFRecords "
-                        f"({type(e).__name__}: {str(e)[:160]})") from None
-  pool = concurrent.futures.ThreadPoolExecutor(8)
-  try:
-    return list(pool.map(one, paths))
-  finally:
-    pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _split(file_data, split, name):
+def _split(file_data, split, name, known):
   start = time.perf_counter()
   paths = _expand(getattr(file_data, split), split, name)
-  counts = _counts(paths, file_data.compression, name)
-  kept = [(p, c) for p, c in zip(paths, counts) if c]
+  found = counts_lib.record_counts(
+      paths, file_data.compression, name,
+      known={**(known or {}), **counts_lib.given(file_data.record_counts)})
+  kept = [(p, found[p]) for p in paths if found[p].records]
   if not kept:
     raise ConfigError(f"{name}: the {split} files hold no records. "
                       f"Received: {len(paths)} file(s), first {paths[0]}")
-  logging.info("%s %s: %d records in %d file(s)%s, counted in %.2f s.",
-               name, split, sum(counts), len(kept),
+  counted = sum(1 for f in found.values() if f.counted)
+  logging.info("%s %s: %d records in %d file(s)%s; %d file(s) counted in "
+               "%.2f s, %d known.", name, split,
+               sum(f.records for _, f in kept), len(kept),
                f" ({len(paths) - len(kept)} empty, skipped)"
-               if len(kept) < len(paths) else "",
-               time.perf_counter() - start)
+               if len(kept) < len(paths) else "", counted,
+               time.perf_counter() - start, len(paths) - counted)
   return FileSplit(paths=tuple(p for p, _ in kept),
-                   counts=tuple(c for _, c in kept),
-                   compression=file_data.compression, parse=file_data.parse)
+                   counts=tuple(f.records for _, f in kept),
+                   compression=file_data.compression, parse=file_data.parse,
+                   found=found)
 
 
-def _size(paths):
-  return sum(tf.io.gfile.stat(path).length for path in paths)
-
-
-def to_dataset(file_data: FileData, name) -> sources.Dataset:
-  """The Dataset of a FileData: its splits counted, parse checked on the
-  first record of each."""
-  train = _split(file_data, "train", name)
-  test = _split(file_data, "eval", name)
+def to_dataset(file_data: FileData, name, known_counts=None
+               ) -> sources.Dataset:
+  """The Dataset of a FileData: its splits counted (but for the files in
+  `known_counts`, an earlier run's record_counts, unchanged since), parse
+  checked on the first record of each."""
+  train = _split(file_data, "train", name, known_counts)
+  test = _split(file_data, "eval", name, known_counts)
   first = _check_parse(train, "train", name)
   _check_parse(test, "eval", name)
   return sources.Dataset(
@@ -201,8 +163,10 @@ def to_dataset(file_data: FileData, name) -> sources.Dataset:
       num_classes=file_data.num_classes, num_train_files=len(train.paths),
       train_files=lambda hosts, host: _host_files(train, hosts, host),
       file_split=train, augment=file_data.augment,
-      train_bytes=_size(train.paths), in_memory=False,
-      cache_bytes=cache_lib.example_bytes(first) * train.num_examples)
+      train_bytes=sum(train.found[p].length for p in train.paths),
+      in_memory=False,
+      cache_bytes=cache_lib.example_bytes(first) * train.num_examples,
+      record_counts=counts_lib.to_keep({**train.found, **test.found}))
 
 
 def _check_parse(files, split, name):
@@ -210,7 +174,10 @@ def _check_parse(files, split, name):
   not fit the records fails here in one line, not at step 0 in a
   traceback."""
   try:
-    examples = files.examples()
+    # The first file only: a parallel read of all would fill a buffer of
+    # each (256 KiB per file, 2 MiB of 8 files, for one record).
+    examples = dataclasses.replace(files, paths=files.paths[:1],
+                                   counts=files.counts[:1]).examples()
     sources.check_element_spec(name, split, examples.element_spec)
     return next(iter(examples.take(1)))
   except ConfigError:

@@ -275,6 +275,9 @@ class Inputs:
   # (which restores without it when it has none) and the survivor state,
   # and taken from the chief as the step is.
   state: dict = dataclasses.field(default_factory=dict)
+  # {path: [bytes, mtime, records]}: kept in the run record, so that a
+  # resume does not count the files again.
+  record_counts: Optional[dict] = None
 
 
 def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
@@ -307,7 +310,8 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
                             requested=eval_steps_requested),
       sample=sources.sample_batch(dataset),
       features_spec=sources.features_spec(dataset),
-      image_input=dataset.input_shape is not None)
+      image_input=dataset.input_shape is not None,
+      record_counts=dataset.record_counts)
 
 
 def served_inputs(dataset: sources.Dataset, *, service, reader, run_name,

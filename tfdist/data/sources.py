@@ -48,6 +48,9 @@ class Dataset:
   # Bytes its parsed examples take, estimated: what --cache=auto weighs
   # (train_bytes when unknown).
   cache_bytes: Optional[int] = None
+  # {path: [bytes, mtime, records]} of the files counted (FileData): kept
+  # in the run record, so that a resume does not count them again.
+  record_counts: Optional[dict] = None
   # The source holds its data in this process (arrays): caching is free.
   in_memory: bool = True
 
