@@ -174,6 +174,22 @@ def test_every_strategy_trains_on_the_streamed_files(outside, tmp_path):
                                    expected, rtol=1e-5)
 
 
+def test_workers_that_see_other_files_stop_in_one_line(outside, tmp_path):
+  model_dir = tmp_path / "run"
+  proc = subprocess.run(
+      [sys.executable, "-m", "tfdist.launch.local", "--workers=2", "--",
+       *USER, "--dataset=mymod:one_file_short", "--train_steps=4",
+       "--strategy=multi_worker_mirrored", f"--model_dir={model_dir}"],
+      cwd=outside, capture_output=True, text=True, timeout=300,
+      env={**os.environ, "USER_FILES": str(tmp_path / "files")})
+  output = proc.stdout + proc.stderr
+  assert proc.returncode != 0, output[-3000:]
+  assert "the workers do not see the same data files: worker:1 sees 9 " \
+         "file(s) of 488 records" in output, output[-3000:]
+  assert "Traceback" not in output, output[-3000:]
+  assert not glob.glob(str(model_dir / "ckpt-*"))
+
+
 @pytest.mark.parametrize("function,expected", [
     ("bad_pattern", "no train file matches '/nonexistent/tfdist/train-*'"),
     ("bad_parse", "parse failed on a train record: InvalidArgumentError")])

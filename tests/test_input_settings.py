@@ -229,7 +229,7 @@ def test_cache_auto_weighs_what_the_cache_would_hold(tmp_path, monkeypatch,
   assert pixels.train_bytes < 1 << 20
   assert pixels.cache_bytes == 100 * (4096 * 4 + 4)  # Pixels and label.
   assert cache_lib.resolve("auto", pixels) == "off"
-  assert "about 2 MiB parsed" in cache_lib.describe("off", pixels)
+  assert "about 1.6 MiB parsed" in cache_lib.describe("off", pixels)
   monkeypatch.setattr(cache_lib, "AUTO_CACHE_BYTES", 2 << 20)
   assert cache_lib.resolve("auto", pixels) == "memory"
 

@@ -20,6 +20,7 @@ from tfdist import compiled_loops
 from tfdist import compression
 from tfdist import config as config_lib
 from tfdist import data
+from tfdist.data import agreement as data_agreement
 from tfdist.data import service as data_service
 from tfdist import devices
 from tfdist import ema
@@ -542,6 +543,9 @@ def _run_parts(config, info, task, *, write_dir, callbacks):
   local = devices.local_devices()
   preflight.check_run(config, info, local)
   inputs = _inputs(config, info, task)
+  if info.peers and not info.coordinator and inputs.record_counts:
+    data_agreement.check_same_files(info.strategy, inputs.record_counts,
+                                    info.task_name)
   parts = _model_and_optimizer(config, info, task, inputs.sample)
   loops = _loops(config, info, task, parts, inputs.sample, local)
   store = _checkpoint_store(config, task, parts, write_dir, inputs)

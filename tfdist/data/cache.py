@@ -127,13 +127,18 @@ def host_name(split, host, hosts):
   return f"{split}-{host}-of-{hosts}"
 
 
+def _mib(size):
+  return f"{size / 2**20:.1f} MiB" if size < 10 << 20 else (
+      f"{size / 2**20:.0f} MiB")
+
+
 def describe(mode, dataset):
   parsed = dataset.cache_bytes
-  parsed = f", about {parsed / 2**20:.0f} MiB parsed" if parsed else ""
+  parsed = f", about {_mib(parsed)} parsed" if parsed else ""
   if mode == "memory":
     return f"cached in memory{parsed}"
   if mode == "off":
     size = dataset.train_bytes
     return ("streamed from its files, not cached"
-            + (f" ({size / 2**20:.0f} MiB on disk{parsed})" if size else ""))
+            + (f" ({_mib(size)} on disk{parsed})" if size else ""))
   return f"cached in files at {mode}-*{parsed}"
