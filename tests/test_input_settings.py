@@ -347,3 +347,32 @@ def test_a_resume_counts_nothing_again(tmp_path, monkeypatch):
 
 def _length(record):
   return tf.cast(tf.strings.length(record), tf.float32)[None], tf.constant(0)
+
+
+@pytest.mark.parametrize("cache", ["off", "memory"])
+def test_batch_sharding_parses_and_augments_a_share_per_host(root, cache):
+  """Each of 2 hosts reads the whole stream but parses (streamed) and
+  augments only the batches it keeps: 544 examples taken, not 1088."""
+  calls = []
+
+  def counted(value):
+    calls.append(1)
+    return value
+
+  def parse(record):
+    features, label = _file_data(root).parse(record)
+    return tf.numpy_function(counted, [features], tf.float32,
+                             stateful=True), label
+
+  def augment(features, label):
+    return tf.numpy_function(counted, [features], tf.float32,
+                             stateful=True), label
+  dataset = data.file_dataset(data.FileData(
+      train=f"{root}/train-*", eval=f"{root}/eval-*", parse=parse,
+      augment=augment), "counted")
+  calls.clear()
+  kept = _ids(_batches(dataset, hosts=2, host=1, steps=68, cache=cache,
+                       sharding="batch"))
+  assert len(kept) == 544
+  per_example = 2 if cache == "off" else 1  # Parse and augment; augment.
+  assert len(calls) < per_example * 544 + 200, len(calls)

@@ -45,13 +45,38 @@ def _in_one_tensor(dataset, num_examples):
       for spec in specs)
 
 
+def _own_batches(items, *, prepare, seed, stream, start, batch_size,
+                 slice_of=(1, 0)):
+  """Batches of `items` (the stream `stream` from its position `start`
+  on) made ready by `prepare` (a parse, or None) and the augment.
+  `slice_of` (hosts, host): every host reads this one stream and keeps
+  its batches k * hosts + host, taken before anything is parsed or
+  augmented, so that hosts do not each spend the CPU of all of them."""
+  hosts, host = slice_of
+  positioned = items.enumerate(start)
+  if hosts > 1:
+    positioned = positioned.batch(batch_size, drop_remainder=True).shard(
+        hosts, host).unbatch()
+  parse, augment = prepare
+  if parse is None and augment is None:
+    examples = positioned.map(lambda _, item: item)
+  else:
+    drawn = randomness.draw(augment, seed=seed, stream=stream, start=start)
+    examples = positioned.map(
+        lambda position, item: drawn(position, parse(item) if parse
+                                     else item),
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  return examples.batch(batch_size, drop_remainder=True)
+
+
 def _batches(source, num_examples, seed, start_example, batch_size,
              augment=None, buffer=SHUFFLE_BUFFER, *, stream=0,
-             epoch_length=None):
+             epoch_length=None, slice_of=(1, 0)):
   """Batches of `batch_size` examples, epoch after epoch, each epoch
   shuffled with its own seed, from example `start_example` on (a batch
   may span two epochs). An epoch is the first `epoch_length` examples of
-  its shuffle (all of them by default); `stream` keys augmentation.
+  its shuffle (all of them by default); `stream` keys augmentation;
+  `slice_of` as _own_batches.
 
   Jumping to an epoch is free, so resuming costs at most one epoch of
   skipping however long the run already was. A small epoch is kept as one
@@ -76,8 +101,9 @@ def _batches(source, num_examples, seed, start_example, batch_size,
       return tf.nest.map_structure(
           lambda t: tf.gather(t, order_[start:epoch_length]), examples)
 
-    return tf.data.Dataset.zip(epochs, whole).map(permuted).rebatch(
+    batches = tf.data.Dataset.zip(epochs, whole).map(permuted).rebatch(
         batch_size, drop_remainder=True)
+    return batches.shard(*slice_of) if slice_of[0] > 1 else batches
 
   buffer = min(num_examples, buffer)
 
@@ -85,13 +111,14 @@ def _batches(source, num_examples, seed, start_example, batch_size,
     return randomness.shuffle(base, buffer,
                               _epoch_seed(seed, epoch)).take(epoch_length)
 
-  examples = randomness.augmented(
-      epochs.flat_map(one_epoch).skip(offset), augment, seed=seed,
-      stream=stream, start=start_example)
-  return examples.batch(batch_size, drop_remainder=True)
+  return _own_batches(epochs.flat_map(one_epoch).skip(offset),
+                      prepare=(None, augment), seed=seed, stream=stream,
+                      start=start_example, batch_size=batch_size,
+                      slice_of=slice_of)
 
 
-def _stream_batches(dataset, seed, start_example, batch_size, buffer):
+def _stream_batches(dataset, seed, start_example, batch_size, buffer,
+                    slice_of):
   """A user's pipeline over files of unknown size: epochs end when its
   files do, so a resume reads its way to `start_example`."""
   if start_example:
@@ -103,25 +130,25 @@ def _stream_batches(dataset, seed, start_example, batch_size, buffer):
     return randomness.shuffle(dataset.train_source(), buffer,
                               _epoch_seed(seed, epoch))
   examples = tf.data.Dataset.range(order.FOREVER).flat_map(one_epoch)
-  examples = randomness.augmented(
-      examples.skip(start_example), dataset.augment, seed=seed, stream=0,
-      start=start_example)
-  return examples.batch(batch_size, drop_remainder=True)
+  return _own_batches(examples.skip(start_example),
+                      prepare=(None, dataset.augment), seed=seed, stream=0,
+                      start=start_example, batch_size=batch_size,
+                      slice_of=slice_of)
 
 
 def _planned_batches(dataset, seed, hosts, host, start_example, batch_size,
-                     buffer):
-  """A split streamed from its files in tfdist.data.order's plan."""
+                     buffer, slice_of=(1, 0)):
+  """A split streamed from its files in tfdist.data.order's plan: pipeline
+  `host` of `hosts` (file sharding), or the one stream (hosts 1) of which
+  this host keeps `slice_of`."""
   split = dataset.file_split
   records = order.records(split, seed=seed, hosts=hosts, host=host,
                           position=start_example, window=buffer)
-  examples = records.map(split.parse, num_parallel_calls=tf.data.AUTOTUNE,
-                         deterministic=True)
   # Hosts that read streams of their own draw apart.
-  examples = randomness.augmented(examples, dataset.augment, seed=seed,
-                                  stream=host if hosts > 1 else 0,
-                                  start=start_example)
-  return examples.batch(batch_size, drop_remainder=True)
+  return _own_batches(records, prepare=(split.parse, dataset.augment),
+                      seed=seed, stream=host if hosts > 1 else 0,
+                      start=start_example, batch_size=batch_size,
+                      slice_of=slice_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +204,8 @@ def train_input_fn(dataset: sources.Dataset, *, global_batch_size, seed,
     else:
       batches = sharding_lib.host_slice(_all_batches(
           dataset, policy, seed, start_step * global_batch_size, per_host,
-          shuffle_buffer, cache_lib.host_name("train", host, hosts)),
-          context, per_host, None)
+          shuffle_buffer, cache_lib.host_name("train", host, hosts),
+          (hosts, host)), context, per_host, None, sliced=True)
     # Epochs go on for ever; saying so lets a multi-worker iterator skip
     # its per-step "any data left?" all-reduce, and lets runners.SyncRunner
     # use a plain iterator.
@@ -204,15 +231,17 @@ def _file_batches(dataset, policy, seed, hosts, host, start, per_host,
 
 
 def _all_batches(dataset, policy, seed, start, per_host, buffer,
-                 cache_name):
-  """Per-host batches of the whole stream, which every host reads."""
+                 cache_name, slice_of):
+  """This host's `slice_of` the per-host batches of the whole stream,
+  which every host reads."""
   if policy.planned:
-    return _planned_batches(dataset, seed, 1, 0, start, per_host, buffer)
+    return _planned_batches(dataset, seed, 1, 0, start, per_host, buffer,
+                            slice_of)
   if dataset.num_train_examples is None:
-    return _stream_batches(dataset, seed, start, per_host, buffer)
+    return _stream_batches(dataset, seed, start, per_host, buffer, slice_of)
   return _batches(policy.source(dataset, dataset.train_source, cache_name),
                   dataset.num_train_examples, seed, start, per_host,
-                  dataset.augment, buffer)
+                  dataset.augment, buffer, slice_of=slice_of)
 
 
 def eval_steps(dataset: sources.Dataset, *, global_batch_size, requested=0):

@@ -86,22 +86,31 @@ def example_seed(seed, stream, position):
                    tf.cast(position, tf.int64)])
 
 
-def augmented(examples, augment, *, seed, stream, start):
-  """`examples` (the stream `stream` from its position `start` on) with
-  `augment` applied, its draws keyed as the module docstring says."""
+def draw(augment, *, seed, stream, start):
+  """(position, example) -> the example augmented, its draws keyed as
+  the module docstring says, for the stream `stream` read from `start`
+  on; the example itself when there is no augment."""
   if augment is None:
-    return examples
+    return lambda position, example: example
   if takes_seed(augment):
-    def keyed(position, example):
-      return augment(*example, seed=example_seed(seed, stream, position))
-    return examples.enumerate(start).map(
-        keyed, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return lambda position, example: augment(
+        *example, seed=example_seed(seed, stream, position))
   graph_seed = None  # Drawn anew where it runs.
   if all(isinstance(n, int) for n in (seed, stream, start)):
     graph_seed = epoch_seed(epoch_seed(seed, stream), start) % _MAX_SEED
 
-  def drawn(*example):
+  def drawn(position, example):
+    del position  # Stateful ops draw in the order they run.
     with _graph_seed(graph_seed):
       return augment(*example)
-  return examples.map(drawn, num_parallel_calls=tf.data.AUTOTUNE,
-                      deterministic=True)
+  return drawn
+
+
+def augmented(examples, augment, *, seed, stream, start):
+  """`examples` (the stream `stream` from its position `start` on) with
+  `augment` applied."""
+  if augment is None:
+    return examples
+  return examples.enumerate(start).map(
+      draw(augment, seed=seed, stream=stream, start=start),
+      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

@@ -86,15 +86,16 @@ def describe(dataset, mode, sharding, num_hosts, streamed, seed):
           f"its slice of each global batch{why}")
 
 
-def host_slice(batches, context, per_host, finish_batch):
+def host_slice(batches, context, per_host, finish_batch, *, sliced=False):
   """Cuts a stream of per-host batches into this host's per-replica
   batches.
 
   Global batch k is the same examples whatever the number of hosts and
-  replicas: host i takes per-host batch k * num_hosts + i.
+  replicas: host i takes per-host batch k * num_hosts + i (`sliced`: the
+  stream holds only those already).
   """
   hosts = context.num_input_pipelines
-  if hosts > 1:
+  if hosts > 1 and not sliced:
     batches = batches.shard(hosts, context.input_pipeline_id)
   if context.num_replicas_in_sync > hosts:
     batches = batches.rebatch(context.get_per_replica_batch_size(
