@@ -28,6 +28,10 @@ import time
 # The dispatcher drops a data worker silent for this long, so that
 # round-robin readers stop waiting on one that was lost.
 WORKER_TIMEOUT_MS = 4000
+# A job no trainer has read for this long is collected: each resume
+# registers a new one, and the old one's pipeline holds memory on every
+# data worker. A live trainer's iterator keeps its job alive.
+JOB_GC_MS = 5 * 60_000
 HEARTBEAT_MS = 500
 MODULE = __spec__.name if __spec__ else "launch.data_service"
 LISTENING = "dispatcher listening on port"
@@ -40,13 +44,26 @@ QUICK_SECONDS, MAX_QUICK_FAILURES, MAX_BACKOFF_SECONDS = 20.0, 5, 30.0
 REMOTE_MODULE = "tfdist.launch.data_service"
 
 
+def dispatcher_config(*, port, work_dir, job_gc_timeout_ms=JOB_GC_MS):
+  """The dispatcher's settings, as TF's DispatcherConfig proto: the
+  Python DispatcherConfig cannot ask for dynamic-sharding jobs to be
+  collected, and every resume registers one (their pipelines, shuffle
+  buffers and prefetched batches stay on the data workers otherwise)."""
+  from tensorflow.core.protobuf import service_config_pb2  # pylint: disable=g-import-not-at-top
+  return service_config_pb2.DispatcherConfig(
+      port=port, protocol="grpc", work_dir=work_dir,
+      fault_tolerant_mode=bool(work_dir),
+      worker_timeout_ms=WORKER_TIMEOUT_MS, gc_dynamic_sharding_jobs=True,
+      job_gc_check_interval_ms=min(job_gc_timeout_ms, 60_000),
+      job_gc_timeout_ms=job_gc_timeout_ms)
+
+
 def _serve(args):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   service = tf.data.experimental.service
   if args.role == "dispatcher":
-    server = service.DispatchServer(service.DispatcherConfig(
-        port=args.port, work_dir=args.work_dir, fault_tolerant_mode=True,
-        worker_timeout_ms=WORKER_TIMEOUT_MS))
+    server = service.DispatchServer(dispatcher_config(
+        port=args.port, work_dir=args.work_dir))
     print(f"{LISTENING} {args.port}", flush=True)
   else:
     address = args.worker_address

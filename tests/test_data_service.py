@@ -275,3 +275,33 @@ def test_tensorboard_shows_the_input_wait_per_step(tmp_path, monkeypatch):
   rates = dict(artifacts.scalars(fast / "train", "steps_per_sec"))
   for step in (20, 30):
     assert waits[step] < 0.3 * 1000 / rates[step], (waits, rates)
+
+
+def test_a_job_no_trainer_reads_is_collected():
+  """Each resume registers a new dynamic-sharding job; TF's dispatcher
+  keeps such jobs, and their pipelines on the data workers, unless told
+  to collect them: launch.data_service's dispatcher is. TF's own servers,
+  in this process, with a 1 s timeout."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from launch import data_service as launch_service  # pylint: disable=g-import-not-at-top
+  service = tf.data.experimental.service
+  dispatcher = service.DispatchServer(launch_service.dispatcher_config(
+      port=0, work_dir="", job_gc_timeout_ms=1000))
+  worker = service.WorkerServer(service.WorkerConfig(
+      dispatcher_address=dispatcher.target.split("://")[1],
+      heartbeat_interval_ms=200))
+  source = tf.data.Dataset.range(10**9)
+  dataset_id = service.register_dataset(dispatcher.target, source)
+  served = service.from_dataset_id(
+      service.ShardingPolicy.DYNAMIC, dispatcher.target, dataset_id,
+      element_spec=source.element_spec, job_name="resumed-at-0")
+  iterator = iter(served)
+  next(iterator)
+  assert worker._num_tasks() == 1  # pylint: disable=protected-access
+  del iterator, served  # The trainer moved on to a new job.
+  deadline = time.time() + 30
+  while worker._num_tasks() and time.time() < deadline:  # pylint: disable=protected-access
+    time.sleep(0.2)
+  assert worker._num_tasks() == 0  # pylint: disable=protected-access
+  worker.stop()
+  dispatcher.stop()

@@ -236,3 +236,17 @@ def test_checkpoint_object_graph_maps_model_variables():
       np.testing.assert_array_equal(
           reader.get_tensor(keys[id(variable)]), variable.numpy(),
           err_msg=VERSIONS)
+
+
+def test_the_dispatcher_takes_its_config_proto():
+  """launch.data_service builds TF's DispatcherConfig proto (the Python
+  DispatcherConfig has no gc_dynamic_sharding_jobs); DispatchServer takes
+  the proto as it is. test_data_service checks that jobs are collected."""
+  from tensorflow.core.protobuf import service_config_pb2  # pylint: disable=g-import-not-at-top
+  from launch import data_service  # pylint: disable=g-import-not-at-top
+  config = data_service.dispatcher_config(port=0, work_dir="")
+  assert isinstance(config, service_config_pb2.DispatcherConfig), VERSIONS
+  assert config.gc_dynamic_sharding_jobs, VERSIONS
+  server = tf.data.experimental.service.DispatchServer(config)
+  assert server.target.startswith("grpc://"), VERSIONS
+  server.stop()
