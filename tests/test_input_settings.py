@@ -376,3 +376,59 @@ def test_batch_sharding_parses_and_augments_a_share_per_host(root, cache):
   assert len(kept) == 544
   per_example = 2 if cache == "off" else 1  # Parse and augment; augment.
   assert len(calls) < per_example * 544 + 200, len(calls)
+
+
+def test_locate_walks_the_epochs_in_one_call():
+  """locate's epochs (a graph loop) are epoch_length's, summed."""
+  import random
+  from tfdist.data import order
+  rng = random.Random(0)
+  for _ in range(20):
+    counts = [rng.randint(1, 40) for _ in range(rng.randint(2, 12))]
+    hosts, seed = rng.randint(2, min(4, len(counts))), rng.randint(0, 5)
+    position = rng.randint(0, 30 * sum(counts))
+    epoch, into = order.locate(counts, seed, hosts, 0, position)
+    assert sum(order.epoch_length(counts, seed, e, hosts)
+               for e in range(epoch)) + into == position
+    assert 0 <= into < order.epoch_length(counts, seed, epoch, hosts)
+
+
+def test_asynchronous_workers_skip_nothing_of_their_own_order(root):
+  """A PS worker's user pipeline is in an order of its own (no seed):
+  a resume at step 100 has nothing to get back to, and reads nothing
+  to skip (it once read and parsed 800 examples first)."""
+  calls = []
+
+  def counted(value):
+    calls.append(1)
+    return value
+  files = sorted(tf.io.gfile.glob(f"{root}/train-*"))
+  parse = _file_data(root).parse
+
+  def parse_counted(record):
+    features, label = parse(record)
+    return tf.numpy_function(counted, [features], tf.float32,
+                             stateful=True), label
+  own = data.from_user("own", tf.data.TFRecordDataset(files).map(
+      parse_counted), tf.data.TFRecordDataset(files).map(parse))
+  calls.clear()
+  assert len(_ids(_batches(own, seed=None, start_step=100, steps=2))) == 16
+  assert len(calls) < 400, len(calls)
+
+
+def test_the_service_refuses_ops_its_data_workers_lack(root):
+  """tfdist's own served pipelines use only TensorFlow's ops; an op from
+  a library loaded with tf.load_op_library (ZeroOut, TF's example) is
+  named."""
+  from tfdist.data import sources
+  own = data.from_user("own", *(tf.data.TFRecordDataset(sorted(
+      tf.io.gfile.glob(f"{root}/train-*"))).map(_file_data(root).parse),) * 2)
+  for dataset in (own, *(data.file_dataset(_file_data(
+      root, augment=augment), "served") for augment in (_stateless,
+                                                         _stateful))):
+    served = service_units.served_batches(
+        dataset, mode="dynamic", seed=0, first_unit=0, batch_size=8,
+        buffer=50)
+    assert sources.unservable_ops(served) == {"python": set(),
+                                              "foreign": set()}
+  assert sources.foreign_ops({"MapDataset", "ZeroOut"}) == {"ZeroOut"}

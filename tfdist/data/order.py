@@ -53,26 +53,41 @@ def left_out_share(counts, hosts, seed, epochs=4):
 
 
 def _epoch_length_tensor(counts, order, hosts):
-  """epoch_length for a file order given as a tensor."""
-  owners = tf.range(len(counts), dtype=tf.int64) % hosts
-  sizes = tf.math.unsorted_segment_sum(
-      tf.gather(tf.constant(counts, tf.int64), order), owners, hosts)
+  """epoch_length for a file order given as a tensor (counts: a list or
+  an int64 tensor)."""
+  counts = tf.convert_to_tensor(counts, tf.int64)
+  owners = tf.range(tf.size(counts, out_type=tf.int64)) % hosts
+  sizes = tf.math.unsorted_segment_sum(tf.gather(counts, order), owners,
+                                       hosts)
   return tf.reduce_min(sizes)
 
 
 def locate(counts, seed, hosts, host, position):
   """(epoch, records into it) of pipeline `host` after `position`
-  records."""
+  records: one graph call, however many epochs it walks."""
   del host  # Every pipeline's epoch has the same length.
-  epoch = 0
   if hosts == 1:  # Every epoch holds every record.
     return divmod(position, sum(counts))
-  while True:
-    size = epoch_length(counts, seed, epoch, hosts)
-    if position < size:
-      return epoch, position
+  epoch, into = _walk_epochs(tf.constant(counts, tf.int64),
+                             tf.constant(seed, tf.int64),
+                             tf.constant(hosts, tf.int64),
+                             tf.constant(position, tf.int64))
+  return int(epoch), int(into)
+
+
+@tf.function(reduce_retracing=True)
+def _walk_epochs(counts, seed, hosts, position):
+  """The epochs whole before `position`, and the records left."""
+  num_files = tf.size(counts, out_type=tf.int64)
+  epoch = tf.constant(0, tf.int64)
+  size = _epoch_length_tensor(counts, file_order(num_files, seed, epoch),
+                              hosts)
+  while position >= size:
     position -= size
     epoch += 1
+    size = _epoch_length_tensor(counts, file_order(num_files, seed, epoch),
+                                hosts)
+  return epoch, position
 
 
 def resume_round(counts, consumed):

@@ -120,7 +120,11 @@ def _batches(source, num_examples, seed, start_example, batch_size,
 def _stream_batches(dataset, seed, start_example, batch_size, buffer,
                     slice_of):
   """A user's pipeline over files of unknown size: epochs end when its
-  files do, so a resume reads its way to `start_example`."""
+  files do, so a resume reads its way to `start_example`. Without a
+  seed (asynchronous workers, each in an order of its own) there is no
+  place to get back to: nothing is skipped."""
+  if seed is None:
+    start_example = 0
   if start_example:
     logging.warning("%s: resuming reads %d examples again to get back to "
                     "where training stopped (tfdist.FileData resumes "
@@ -352,7 +356,8 @@ def served_inputs(dataset: sources.Dataset, *, service, reader, run_name,
   train_fn = service_lib.served_train_fn(
       dataset, service=service, reader=reader, run_name=run_name,
       global_batch_size=global_batch_size, seed=seed,
-      shuffle_buffer=shuffle_buffer, python_ops=sources.python_ops, lag=lag)
+      shuffle_buffer=shuffle_buffer, unservable_ops=sources.unservable_ops,
+      lag=lag)
   local = inputs_from_dataset(
       dataset, global_batch_size=global_batch_size, seed=seed,
       eval_steps_requested=eval_steps_requested, cache=cache,

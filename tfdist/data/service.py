@@ -87,7 +87,7 @@ def lone_reader(consumers=1):
 
 
 def served_train_fn(dataset, *, service: Service, reader: Reader, run_name,
-                    global_batch_size, seed, shuffle_buffer, python_ops,
+                    global_batch_size, seed, shuffle_buffer, unservable_ops,
                     lag):
   """(start_step) -> input_fn reading the served train batches from the
   step `start_step` is at. `lag`: an int64 variable the checkpoint keeps,
@@ -102,7 +102,7 @@ def served_train_fn(dataset, *, service: Service, reader: Reader, run_name,
     return service_units.served_batches(
         dataset, mode=service.mode, seed=seed, first_unit=first_unit,
         batch_size=per_consumer, buffer=shuffle_buffer)
-  _check_servable(dataset, batches_from(0), python_ops)
+  _check_servable(dataset, batches_from(0), unservable_ops)
 
   def train_fn(start_step):
     first_unit = 0  # parallel_epochs: each data worker's order of its own.
@@ -136,21 +136,27 @@ def served_train_fn(dataset, *, service: Service, reader: Reader, run_name,
   return train_fn
 
 
-def _check_servable(dataset, batches, python_ops):
+def _check_servable(dataset, batches, unservable_ops):
   """Refuses, before training starts, a pipeline the data workers could
   not run."""
-  found = python_ops(batches)
+  found = unservable_ops(batches)
   if found is None:
     raise ConfigError(
         f"{dataset.name}: its pipeline cannot be serialized for the "
         "tf.data service (does it read a Python generator?): build it "
         "from TensorFlow ops, or drop --data_service.")
-  if found:
+  if found["python"]:
     raise ConfigError(
         f"{dataset.name}: its pipeline calls Python (tf.py_function or "
         "tf.numpy_function), which the tf.data service cannot ship to its "
         "data workers: build it from TensorFlow ops, or drop "
         "--data_service.")
+  if found["foreign"]:
+    raise ConfigError(
+        f"{dataset.name}: its pipeline uses ops that are not TensorFlow's "
+        f"own ({', '.join(sorted(found['foreign']))}), from a library the "
+        "data workers have not loaded: build it from TensorFlow ops, or "
+        "drop --data_service.")
 
 
 def _registered(batches, service, reader, identity):

@@ -82,7 +82,9 @@ def _graph_ops(dataset):
   ops = {node.op for node in graph.node}
   for function in graph.library.function:
     ops.update(node.op for node in function.node_def)
-  return ops
+  # A call of one of the graph's own functions is not an op.
+  return ops - {function.signature.name
+                for function in graph.library.function}
 
 
 def reads_files(dataset):
@@ -91,12 +93,23 @@ def reads_files(dataset):
   return bool((_graph_ops(dataset) or set()) & _FILE_READERS)
 
 
-def python_ops(dataset):
-  """The ops of a pipeline that run Python (py_function, numpy_function),
-  which the tf.data service cannot run on its data workers; None when the
-  pipeline cannot be serialized at all (a generator, say)."""
+def unservable_ops(dataset):
+  """What in a pipeline the tf.data service's data workers cannot run:
+  {"python": ops that run Python (py_function, numpy_function),
+  "foreign": ops that are not TensorFlow's own (a library loaded with
+  tf.load_op_library here, which a data worker has not loaded)}; None
+  when the pipeline cannot be serialized at all (a generator, say)."""
   ops = _graph_ops(dataset)
-  return None if ops is None else ops & _PYTHON_OPS
+  if ops is None:
+    return None
+  return {"python": ops & _PYTHON_OPS, "foreign": foreign_ops(ops)}
+
+
+def foreign_ops(ops):
+  """The op types of `ops` that TensorFlow itself does not define (its
+  internal ops, _Retval and the like, start with an underscore)."""
+  return {op for op in ops
+          if not (op.startswith("_") or hasattr(tf.raw_ops, op))}
 
 
 def count(dataset):
