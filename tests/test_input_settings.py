@@ -432,3 +432,30 @@ def test_the_service_refuses_ops_its_data_workers_lack(root):
     assert sources.unservable_ops(served) == {"python": set(),
                                               "foreign": set()}
   assert sources.foreign_ops({"MapDataset", "ZeroOut"}) == {"ZeroOut"}
+
+
+def test_streamed_eval_parses_a_share_per_host_and_stays_exact(root):
+  calls = []
+
+  def counted(value):
+    calls.append(1)
+    return value
+
+  def parse(record):
+    features, label = _file_data(root).parse(record)
+    return tf.numpy_function(counted, [features], tf.float32,
+                             stateful=True), label
+  dataset = data.file_dataset(data.FileData(
+      train=f"{root}/train-*", eval=f"{root}/eval-*", parse=parse), "eval")
+  assert dataset.num_test_examples == 12
+  real = []
+  calls.clear()
+  for host in range(2):
+    context = tf.distribute.InputContext(num_input_pipelines=2,
+                                         input_pipeline_id=host,
+                                         num_replicas_in_sync=2)
+    batches = data.eval_input_fn(dataset, global_batch_size=8)(context)
+    for _, labels, mask in batches:
+      real.extend(l for l, m in zip(labels.numpy(), mask.numpy()) if m)
+  # 12 examples padded to 16: each host parses its 8, not all 16.
+  assert sorted(real) == list(range(12)) and len(calls) == 16

@@ -162,7 +162,7 @@ def to_dataset(file_data: FileData, name, known_counts=None
       train_source=train.examples, test_source=test.examples,
       num_classes=file_data.num_classes, num_train_files=len(train.paths),
       train_files=lambda hosts, host: _host_files(train, hosts, host),
-      file_split=train, augment=file_data.augment,
+      file_split=train, eval_split=test, augment=file_data.augment,
       train_bytes=sum(train.found[p].length for p in train.paths),
       in_memory=False,
       cache_bytes=cache_lib.example_bytes(first) * train.num_examples,

@@ -283,10 +283,29 @@ def eval_input_fn(dataset: sources.Dataset, *, global_batch_size,
           per_host, _unit_mask)
     # Padding repeats real examples (any structure fits), masked.
     padding = (-num_real) % global_batch_size
+    if dataset.eval_split is not None and policy.cache == "off":
+      return sharding_lib.host_slice(_streamed_eval(
+          dataset.eval_split, padding, per_host, context), context, per_host,
+                                     real_mask, sliced=True)
     blank = source.repeat().take(padding)
     return sharding_lib.host_slice(source.concatenate(blank).enumerate().batch(
         per_host, drop_remainder=True), context, per_host, real_mask)
   return input_fn
+
+
+def _streamed_eval(split, padding, per_host, context):
+  """(index, example) batches of this host's share of an eval split read
+  from files: every host reads the records, but parses only the batches
+  it keeps."""
+  records = split.records()
+  positioned = records.concatenate(records.repeat().take(padding)).enumerate()
+  mine = positioned.batch(per_host, drop_remainder=True)
+  if context.num_input_pipelines > 1:
+    mine = mine.shard(context.num_input_pipelines, context.input_pipeline_id)
+  return mine.unbatch().map(
+      lambda index, record: (index, split.parse(record)),
+      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).batch(
+          per_host, drop_remainder=True)
 
 
 @dataclasses.dataclass(frozen=True)

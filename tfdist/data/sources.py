@@ -51,6 +51,9 @@ class Dataset:
   # {path: [bytes, mtime, records]} of the files counted (FileData): kept
   # in the run record, so that a resume does not count them again.
   record_counts: Optional[dict] = None
+  # The eval split's files, when read from files: streamed, each host
+  # parses only the eval batches it keeps.
+  eval_split: Optional[object] = None
   # The source holds its data in this process (arrays): caching is free.
   in_memory: bool = True
 
