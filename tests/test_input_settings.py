@@ -73,6 +73,26 @@ def _ids(batches):
   return np.concatenate([l for _, l in batches]).tolist()
 
 
+def _counting(calls):
+  """features -> the same, appending to `calls` each time it runs."""
+  def counted(value):
+    calls.append(1)
+    return value
+
+  def through(features):
+    return tf.numpy_function(counted, [features], tf.float32, stateful=True)
+  return through
+
+
+def _counting_parse(root, calls):
+  parse, through = _file_data(root).parse, _counting(calls)
+
+  def counted_parse(record):
+    features, label = parse(record)
+    return through(features), label
+  return counted_parse
+
+
 @pytest.mark.parametrize("augment", [None, _stateless, _stateful])
 @pytest.mark.parametrize("cache,sharding", [
     ("off", "file"), ("off", "batch"), ("memory", "batch")])
@@ -354,22 +374,12 @@ def test_batch_sharding_parses_and_augments_a_share_per_host(root, cache):
   """Each of 2 hosts reads the whole stream but parses (streamed) and
   augments only the batches it keeps: 544 examples taken, not 1088."""
   calls = []
-
-  def counted(value):
-    calls.append(1)
-    return value
-
-  def parse(record):
-    features, label = _file_data(root).parse(record)
-    return tf.numpy_function(counted, [features], tf.float32,
-                             stateful=True), label
-
-  def augment(features, label):
-    return tf.numpy_function(counted, [features], tf.float32,
-                             stateful=True), label
+  through = _counting(calls)
   dataset = data.file_dataset(data.FileData(
-      train=f"{root}/train-*", eval=f"{root}/eval-*", parse=parse,
-      augment=augment), "counted")
+      train=f"{root}/train-*", eval=f"{root}/eval-*",
+      parse=_counting_parse(root, calls),
+      augment=lambda features, label: (through(features), label)),
+      "counted")
   calls.clear()
   kept = _ids(_batches(dataset, hosts=2, host=1, steps=68, cache=cache,
                        sharding="batch"))
@@ -398,19 +408,10 @@ def test_asynchronous_workers_skip_nothing_of_their_own_order(root):
   a resume at step 100 has nothing to get back to, and reads nothing
   to skip (it once read and parsed 800 examples first)."""
   calls = []
-
-  def counted(value):
-    calls.append(1)
-    return value
   files = sorted(tf.io.gfile.glob(f"{root}/train-*"))
-  parse = _file_data(root).parse
-
-  def parse_counted(record):
-    features, label = parse(record)
-    return tf.numpy_function(counted, [features], tf.float32,
-                             stateful=True), label
   own = data.from_user("own", tf.data.TFRecordDataset(files).map(
-      parse_counted), tf.data.TFRecordDataset(files).map(parse))
+      _counting_parse(root, calls)), tf.data.TFRecordDataset(files).map(
+          _file_data(root).parse))
   calls.clear()
   assert len(_ids(_batches(own, seed=None, start_step=100, steps=2))) == 16
   assert len(calls) < 400, len(calls)
@@ -436,17 +437,9 @@ def test_the_service_refuses_ops_its_data_workers_lack(root):
 
 def test_streamed_eval_parses_a_share_per_host_and_stays_exact(root):
   calls = []
-
-  def counted(value):
-    calls.append(1)
-    return value
-
-  def parse(record):
-    features, label = _file_data(root).parse(record)
-    return tf.numpy_function(counted, [features], tf.float32,
-                             stateful=True), label
   dataset = data.file_dataset(data.FileData(
-      train=f"{root}/train-*", eval=f"{root}/eval-*", parse=parse), "eval")
+      train=f"{root}/train-*", eval=f"{root}/eval-*",
+      parse=_counting_parse(root, calls)), "eval")
   assert dataset.num_test_examples == 12
   real = []
   calls.clear()
