@@ -6,7 +6,12 @@
   order     the planned order of a split streamed from files, and resume
   sharding  which host reads what: --input_sharding
   cache     what is cached: --cache
-  pipeline  the train and eval input functions, and Inputs
+  counts    each file's records: given, kept from a run, or counted
+  randomness  every random draw: shuffles, augmentation
+  pipeline  the train input function, and Inputs
+  eval_input  the eval input function, padded and masked
+  plan      what a run keeps of its input plan, and its changes
+  agreement every worker sees the same files
   service   train input on the tf.data service (service_units: its units)
 """
 
@@ -15,14 +20,14 @@ from tfdist.data.files import FileData
 from tfdist.data.files import to_dataset as file_dataset
 from tfdist.data.pipeline import Inputs
 from tfdist.data.pipeline import SHUFFLE_BUFFER
-from tfdist.data.pipeline import SYNTHETIC_EVAL_STEPS
-from tfdist.data.pipeline import describe_plan_change
-from tfdist.data.pipeline import eval_input_fn
-from tfdist.data.pipeline import eval_steps
+from tfdist.data.eval_input import SYNTHETIC_EVAL_STEPS
+from tfdist.data.eval_input import eval_input_fn
+from tfdist.data.eval_input import eval_steps
 from tfdist.data.pipeline import inputs_from_dataset
 from tfdist.data.pipeline import inputs_from_task
 from tfdist.data.pipeline import served_inputs
 from tfdist.data.pipeline import train_input_fn
+from tfdist.data.plan import describe_plan_change
 from tfdist.data.sharding import resolve_sharding
 from tfdist.data.sources import Dataset
 from tfdist.data.sources import features_spec
@@ -30,7 +35,8 @@ from tfdist.data.sources import from_user
 from tfdist.data.sources import sample_batch
 
 __all__ = ["Dataset", "FileData", "Inputs", "SHUFFLE_BUFFER",
-           "SYNTHETIC_EVAL_STEPS", "describe_plan_change", "eval_input_fn", "eval_steps", "file_dataset",
+           "SYNTHETIC_EVAL_STEPS", "describe_plan_change", "eval_input_fn",
+           "eval_steps", "file_dataset",
            "features_spec", "from_user", "inputs_from_dataset",
            "inputs_from_task", "load", "resolve_sharding", "sample_batch",
            "served_inputs",

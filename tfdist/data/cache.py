@@ -8,6 +8,7 @@ their compressed files), takes at most AUTO_CACHE_BYTES, so that nothing
 is cached unless it fits. Augmentation runs after the cache either way.
 """
 
+import dataclasses
 import json
 
 from absl import logging
@@ -119,6 +120,30 @@ def _read(path):
     return None
   with tf.io.gfile.GFile(path) as lines:
     return lines.read()
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """How a run reads its train split: the cache mode and whether the
+  split is streamed in a planned order."""
+
+  cache: str
+  planned: bool
+
+  @classmethod
+  def of(cls, dataset, cache):
+    if dataset.in_memory:
+      return cls("memory", False)
+    mode = resolve(cache, dataset)
+    if dataset.num_train_examples is None:
+      mode = "off"  # Unknown size: cannot be cached whole before use.
+    return cls(mode, mode == "off" and dataset.file_split is not None)
+
+  def source(self, dataset, source, name):
+    if dataset.in_memory:
+      return source
+    return cached(source, self.cache, name, identity(
+        dataset, name.split("-")[0]))
 
 
 def host_name(split, host, hosts):

@@ -1,5 +1,5 @@
-"""The train and eval input functions, and Inputs: what the Trainer and
-the eval pass are handed.
+"""The train input function, and Inputs: what the Trainer and the eval
+pass are handed.
 
 Train batches are the examples batched; eval batches are (features,
 labels, mask) or (features, labels, mask, sample_weight), where the mask
@@ -8,14 +8,15 @@ once.
 """
 
 import dataclasses
-import math
 from typing import Callable, Optional, Tuple
 
 from absl import logging
 import tensorflow as tf
 
 from tfdist.data import cache as cache_lib
+from tfdist.data import eval_input
 from tfdist.data import order
+from tfdist.data import plan as plan_lib
 from tfdist.data import randomness
 from tfdist.data import sharding as sharding_lib
 from tfdist.data import service as service_lib
@@ -23,12 +24,6 @@ from tfdist.data import sources
 from tfdist.errors import ConfigError
 
 SHUFFLE_BUFFER = 10_000
-SYNTHETIC_EVAL_STEPS = 10
-
-
-def _unit_mask(features, labels, *sample_weight):
-  size = tf.shape(tf.nest.flatten(labels)[0])[0]
-  return (features, labels, tf.ones([size], tf.float32), *sample_weight)
 
 
 def _epoch_seed(seed, epoch):
@@ -155,30 +150,6 @@ def _planned_batches(dataset, seed, hosts, host, start_example, batch_size,
                       slice_of=slice_of)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Policy:
-  """How a run reads its train split: the cache mode and whether the
-  split is streamed in a planned order."""
-
-  cache: str
-  planned: bool
-
-  @classmethod
-  def of(cls, dataset, cache):
-    if dataset.in_memory:
-      return cls("memory", False)
-    mode = cache_lib.resolve(cache, dataset)
-    if dataset.num_train_examples is None:
-      mode = "off"  # Unknown size: cannot be cached whole before use.
-    return cls(mode, mode == "off" and dataset.file_split is not None)
-
-  def source(self, dataset, source, name):
-    if dataset.in_memory:
-      return source
-    return cache_lib.cached(source, self.cache, name, cache_lib.identity(
-        dataset, name.split("-")[0]))
-
-
 def train_input_fn(dataset: sources.Dataset, *, global_batch_size, seed,
                    start_step=0, sharding="batch", cache="auto",
                    shuffle_buffer=SHUFFLE_BUFFER):
@@ -192,7 +163,7 @@ def train_input_fn(dataset: sources.Dataset, *, global_batch_size, seed,
   on, so no example repeats within an epoch. `seed=None` gives each input
   pipeline its own order (asynchronous PS workers).
   """
-  policy = _Policy.of(dataset, cache)
+  policy = cache_lib.Policy.of(dataset, cache)
 
   def input_fn(context):
     hosts, host = context.num_input_pipelines, context.input_pipeline_id
@@ -248,66 +219,6 @@ def _all_batches(dataset, policy, seed, start, per_host, buffer,
                   dataset.augment, buffer, slice_of=slice_of)
 
 
-def eval_steps(dataset: sources.Dataset, *, global_batch_size, requested=0):
-  """Number of eval batches: one full pass unless `requested` caps it."""
-  if dataset.num_test_examples is None:
-    return requested or SYNTHETIC_EVAL_STEPS
-  full = math.ceil(dataset.num_test_examples / global_batch_size)
-  return min(requested, full) if requested else full
-
-
-def eval_input_fn(dataset: sources.Dataset, *, global_batch_size,
-                  cache="auto"):
-  """Pads the test split with masked (mask 0) examples to whole global
-  batches. A split read from files is streamed unless --cache says
-  otherwise: every host reads it whole, in file order."""
-  num_real = dataset.num_test_examples
-  # Eval is rebuilt for every evaluation: a memory cache would be filled
-  # again each time, so `auto` streams it.
-  policy = _Policy.of(dataset, "off" if cache == "auto" else cache)
-
-  def real_mask(indices, batch):
-    features, labels, *sample_weight = batch
-    return (features, labels, tf.cast(indices < num_real, tf.float32),
-            *sample_weight)
-
-  def input_fn(context):
-    per_host = global_batch_size // context.num_input_pipelines
-    source = policy.source(
-        dataset, dataset.test_source,
-        cache_lib.host_name("eval", context.input_pipeline_id,
-                            context.num_input_pipelines))()
-    if num_real is None:
-      return sharding_lib.host_slice(
-          source.repeat().batch(per_host, drop_remainder=True), context,
-          per_host, _unit_mask)
-    # Padding repeats real examples (any structure fits), masked.
-    padding = (-num_real) % global_batch_size
-    if dataset.eval_split is not None and policy.cache == "off":
-      return sharding_lib.host_slice(_streamed_eval(
-          dataset.eval_split, padding, per_host, context), context, per_host,
-                                     real_mask, sliced=True)
-    blank = source.repeat().take(padding)
-    return sharding_lib.host_slice(source.concatenate(blank).enumerate().batch(
-        per_host, drop_remainder=True), context, per_host, real_mask)
-  return input_fn
-
-
-def _streamed_eval(split, padding, per_host, context):
-  """(index, example) batches of this host's share of an eval split read
-  from files: every host reads the records, but parses only the batches
-  it keeps."""
-  records = split.records()
-  positioned = records.concatenate(records.repeat().take(padding)).enumerate()
-  mine = positioned.batch(per_host, drop_remainder=True)
-  if context.num_input_pipelines > 1:
-    mine = mine.shard(context.num_input_pipelines, context.input_pipeline_id)
-  return mine.unbatch().map(
-      lambda index, record: (index, split.parse(record)),
-      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).batch(
-          per_host, drop_remainder=True)
-
-
 @dataclasses.dataclass(frozen=True)
 class Inputs:
   """Where a run's batches come from: input functions for
@@ -337,7 +248,7 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
                         num_hosts=1, cache="auto",
                         shuffle_buffer=SHUFFLE_BUFFER) -> Inputs:
   """tfdist's own pipeline over unbatched examples; `seed`: the run's."""
-  policy = _Policy.of(dataset, cache)
+  policy = cache_lib.Policy.of(dataset, cache)
   mode = sharding_lib.resolve_sharding(dataset, sharding, num_hosts,
                                        seed=seed, streamed=policy.planned)
   if not dataset.in_memory:
@@ -347,7 +258,8 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
     logging.info("Input sharding: %s: %s.", mode, sharding_lib.describe(
         dataset, mode, sharding, num_hosts, policy.planned, seed))
   return Inputs(
-      plan={**_plan(dataset, global_batch_size, seed, shuffle_buffer),
+      plan={**plan_lib.input_plan(dataset, global_batch_size, seed,
+                            shuffle_buffer),
             "sharding": mode,
             "input_pipelines": num_hosts if mode == "file" else 1},
       name=dataset.name,
@@ -355,11 +267,11 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
           dataset, global_batch_size=global_batch_size, seed=seed,
           start_step=start_step, sharding=mode, cache=cache,
           shuffle_buffer=shuffle_buffer),
-      eval_fn=lambda: eval_input_fn(dataset,
-                                    global_batch_size=global_batch_size,
-                                    cache=cache),
-      eval_steps=eval_steps(dataset, global_batch_size=global_batch_size,
-                            requested=eval_steps_requested),
+      eval_fn=lambda: eval_input.eval_input_fn(
+          dataset, global_batch_size=global_batch_size, cache=cache),
+      eval_steps=eval_input.eval_steps(
+          dataset, global_batch_size=global_batch_size,
+          requested=eval_steps_requested),
       sample=sources.sample_batch(dataset),
       features_spec=sources.features_spec(dataset),
       image_input=dataset.input_shape is not None,
@@ -384,41 +296,9 @@ def served_inputs(dataset: sources.Dataset, *, service, reader, run_name,
   return dataclasses.replace(
       local, train_fn=lambda start_step, _seed: train_fn(start_step),
       state={"served_stream_lag": lag},
-      plan={**_plan(dataset, global_batch_size, seed, shuffle_buffer),
+      plan={**plan_lib.input_plan(dataset, global_batch_size, seed,
+                            shuffle_buffer),
             "sharding": f"tf.data service ({service.mode})"})
-
-
-def _plan(dataset, global_batch_size, seed, shuffle_buffer):
-  """What places a resumed stream besides the step: where the examples
-  trained so far are is step x global batch, in the seed's order."""
-  return {"global_batch_size": global_batch_size, "seed": seed,
-          "train_examples": dataset.num_train_examples,
-          "train_files": dataset.num_train_files,
-          "shuffle_buffer": shuffle_buffer}
-
-
-def describe_plan_change(previous, plan, step):
-  """A warning's text when a resume at `step` reads another plan than the
-  run that saved: the epoch in progress may then repeat and skip
-  examples. None when the plans agree (or one is unknown); a key the
-  saved plan lacks (an older run's) is not a change."""
-  if not previous or not plan:
-    return None
-  changed = [f"{k} {previous[k]} -> {v}" for k, v in plan.items()
-             if k in previous and previous[k] != v]
-  if not changed:
-    return None
-  batch = ""
-  if "global_batch_size" in previous and (
-      previous["global_batch_size"] != plan.get("global_batch_size")):
-    batch = (f" The stream starts at step x the new batch, example "
-             f"{step * plan['global_batch_size']}, where {step} steps of "
-             f"{previous['global_batch_size']} trained on "
-             f"{step * previous['global_batch_size']}.")
-  return (f"The input plan changed on resume at step {step}: "
-          f"{', '.join(changed)}.{batch} The epoch in progress is read "
-          "from the new plan, so some of its examples may be trained twice "
-          "and others not at all; the epochs after it are exact.")
 
 
 def inputs_from_task(task, *, global_batch_size,

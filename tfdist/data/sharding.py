@@ -18,8 +18,9 @@ def resolve_sharding(dataset, sharding, num_hosts, *, seed, streamed=False):
 
   auto: `file` for data streamed from files when every host can have a
   file of its own and the run's first epochs (`seed`) leave out at most
-  MAX_LEFT_OUT of the records; `batch` otherwise, which keeps global batch k the same
-  on any number of hosts (cached data costs nothing to read again).
+  MAX_LEFT_OUT of the records; `batch` otherwise, which keeps global
+  batch k the same on any number of hosts (cached data costs nothing to
+  read again).
   """
   if sharding == "auto":
     return "file" if streamed and num_hosts > 1 and (
