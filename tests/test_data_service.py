@@ -305,3 +305,60 @@ def test_a_job_no_trainer_reads_is_collected():
   assert worker._num_tasks() == 0  # pylint: disable=protected-access
   worker.stop()
   dispatcher.stop()
+
+
+def _served_ids(dataset, count, data_workers):
+  """Label ids of `count` served examples of `dataset`, on TF's own
+  dispatcher and data workers in this process (ShardingPolicy.DYNAMIC,
+  as a run's), and whether each example's features match its label."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.data import service_units  # pylint: disable=g-import-not-at-top
+  service = tf.data.experimental.service
+  dispatcher = service.DispatchServer()
+  workers = [service.WorkerServer(service.WorkerConfig(
+      dispatcher_address=dispatcher.target.split("://")[1]))
+             for _ in range(data_workers)]
+  batches = service_units.served_batches(
+      dataset, mode="dynamic", seed=0, first_unit=0, batch_size=10,
+      buffer=16)
+  dataset_id = service.register_dataset(dispatcher.target, batches)
+  served = service.from_dataset_id(
+      service.ShardingPolicy.DYNAMIC, dispatcher.target, dataset_id,
+      element_spec=batches.element_spec, job_name="ids")
+  ids, matched = [], True
+  for features, labels in served.take(count // 10):
+    ids.extend(int(i) for i in labels.numpy())
+    matched &= bool(tf.reduce_all(features[:, 0] == tf.cast(
+        labels, tf.float32) * 10))
+  for worker in workers:
+    worker.stop()
+  dispatcher.stop()
+  return ids, matched
+
+
+def test_a_pipeline_of_your_own_is_split_at_its_source():
+  """range(n).map(heavy) once cost its whole map in each of an epoch's 4
+  units: now the dispatcher splits the range among the data workers. One
+  data worker serves each example once per epoch; two run apart by up to
+  what each holds, never more than an epoch. A zip of two sources cannot
+  be split apart (its sides would pair other workers' splits): it is cut
+  in units, its pairs intact."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist import data  # pylint: disable=g-import-not-at-top
+  from tfdist.data import service_units  # pylint: disable=g-import-not-at-top
+
+  def example(i):
+    return tf.cast(i, tf.float32)[None] * 10, i
+  numbers = tf.data.Dataset.range(60)
+  own = data.from_user("own", numbers.map(example), numbers.map(example))
+  zipped_source = tf.data.Dataset.zip(numbers.map(lambda i: example(i)[0]),
+                                      numbers)
+  zipped = data.from_user("zipped", zipped_source, zipped_source)
+  assert service_units.by_source(own) and not service_units.by_source(zipped)
+  ids, matched = _served_ids(own, 120, data_workers=1)
+  assert matched and collections.Counter(ids) == {i: 2 for i in range(60)}
+  for dataset in (own, zipped):
+    ids, matched = _served_ids(dataset, 180, data_workers=2)
+    counts = collections.Counter(ids)
+    assert matched and set(counts) == set(range(60)), counts
+    assert set(counts.values()) <= {2, 3, 4}, counts

@@ -6,6 +6,8 @@ seed named, and file sharding of cached data held to the shortest
 host."""
 
 import dataclasses
+import json
+import socket
 
 import numpy as np
 import pytest
@@ -286,8 +288,11 @@ os._exit(0)  # As a preempted worker ends: no clean-up.
 """
 
 
-def test_a_file_cache_cut_short_or_of_other_data_is_written_again(
+def test_a_file_cache_cut_short_is_written_again_and_a_live_one_kept(
     root, tmp_path):
+  """A preempted first pass (TF's lockfile and partial shards, its writer
+  gone) is written again; one whose writer still runs is one line; other
+  data under the same --cache has files of its own, and both stay."""
   import os
   import subprocess
   import sys
@@ -295,12 +300,12 @@ def test_a_file_cache_cut_short_or_of_other_data_is_written_again(
   subprocess.run([sys.executable, "-c", _CUT_SHORT, root,
                   os.path.dirname(__file__), prefix], check=True,
                  capture_output=True, timeout=120)
-  assert tf.io.gfile.glob(prefix + "-train-0-of-1_*.lockfile")
+  assert tf.io.gfile.glob(prefix + "-train-0-of-1-*_0.lockfile")
   dataset = data.file_dataset(_file_data(root), "cut")
   # 180 examples: 23 batches of 8 fill the cache, the rest is read from it.
   ids = _ids(_batches(dataset, steps=45, cache=prefix))
   assert sorted(ids[:176]) == sorted(set(ids[:176]))
-  assert tf.io.gfile.exists(prefix + "-train-0-of-1.index")
+  (index,) = tf.io.gfile.glob(prefix + "-train-0-of-1-*.index")
   assert _ids(_batches(dataset, steps=45, cache=prefix)) == ids
   # Other data under the same --cache: its own cache, not this one's.
   other = dataclasses.replace(dataset, name="other", num_train_examples=90,
@@ -312,8 +317,25 @@ def test_a_file_cache_cut_short_or_of_other_data_is_written_again(
       other, train_source=other.file_split.examples)
   again = _ids(_batches(other, steps=22, cache=prefix))
   assert max(again) < 90 and sorted(again[:88]) == sorted(set(again[:88]))
-  with open(prefix + "-train-0-of-1.tfdist.json") as mark:
-    assert '"data": "other"' in mark.read()
+  assert len(tf.io.gfile.glob(prefix + "-train-0-of-1-*.index")) == 2
+  assert tf.io.gfile.exists(index)
+  # A first pass whose writer (a process of this host) still runs.
+  live = subprocess.Popen([sys.executable, "-c",
+                           "import time; time.sleep(60)"])
+  try:
+    subprocess.run([sys.executable, "-c", _CUT_SHORT, root,
+                    os.path.dirname(__file__), str(tmp_path / "live")],
+                   check=True, capture_output=True, timeout=120)
+    (mark,) = tf.io.gfile.glob(f"{tmp_path}/live-train-0-of-1-*.tfdist.json")
+    with open(mark, "w") as out:
+      out.write(json.dumps({"host": socket.gethostname(), "pid": live.pid}))
+    with pytest.raises(ConfigError, match=r"cache at .*live-train-0-of-1-"
+                       r"\w+\* is being written by .*pid \d+"):
+      _batches(dataset, steps=1, cache=str(tmp_path / "live"))
+    assert tf.io.gfile.glob(f"{tmp_path}/live-train-0-of-1-*_0.lockfile")
+  finally:
+    live.kill()
+    live.wait()
 
 
 def _read_bytes():
@@ -452,3 +474,40 @@ def test_streamed_eval_parses_a_share_per_host_and_stays_exact(root):
       real.extend(l for l, m in zip(labels.numpy(), mask.numpy()) if m)
   # 12 examples padded to 16: each host parses its 8, not all 16.
   assert sorted(real) == list(range(12)) and len(calls) == 16
+
+
+def test_batch_sharding_takes_examples_of_any_shape(root):
+  """Each host keeps its batches before the augment: parsed examples of
+  varying length, which the augment makes one length, pass (a batch of
+  them before the augment could not be made)."""
+  def ragged(record):
+    features, label = _file_data(root).parse(record)
+    return tf.repeat(features, label % 3 + 1), label
+
+  def fixed(features, label, seed):
+    del seed
+    return tf.concat([features, tf.zeros([4])], 0)[:4], label
+  dataset = data.file_dataset(data.FileData(
+      train=f"{root}/train-*", eval=f"{root}/eval-*", parse=ragged,
+      augment=fixed), "ragged")
+  for cache in ("off", "memory"):
+    halves = [_ids(_batches(dataset, hosts=2, host=h, cache=cache,
+                            sharding="batch")) for h in range(2)]
+    assert not set(halves[0]) & set(halves[1]) and len(halves[0]) == 32
+
+
+def test_stateful_draws_differ_by_host_under_batch_sharding(
+    root, global_seed_one):
+  dataset = data.file_dataset(_file_data(root, augment=_stateful), "apart")
+  drawn = [np.sort(_draws(_batches(dataset, hosts=2, host=h, cache="off",
+                                   sharding="batch"))) for h in range(2)]
+  assert not np.allclose(drawn[0], drawn[1], atol=1e-4)
+
+
+def test_counts_a_user_gives_are_used_not_kept(root):
+  paths = sorted(tf.io.gfile.glob(f"{root}/train-*"))
+  given = _file_data(root, record_counts={paths[0]: np.int64(30)})
+  dataset = data.file_dataset(given, "given")
+  assert dataset.file_split.counts[0] == 30
+  assert paths[0] not in dataset.record_counts
+  assert paths[1] in dataset.record_counts

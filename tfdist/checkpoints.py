@@ -25,11 +25,7 @@ UNREADABLE = (tf.errors.OpError, IndexError, OSError, EOFError)
 
 def read_json(model_dir, name):
   """A JSON file tfdist wrote in model_dir, or None."""
-  path = storage.join(model_dir, name)
-  if not tf.io.gfile.exists(path):
-    return None
-  with tf.io.gfile.GFile(path) as f:
-    return json.load(f)
+  return storage.read_json(storage.join(model_dir, name))
 
 
 def kept_record_counts(model_dir):

@@ -24,6 +24,15 @@ def ensure_writable(path):
   tf.io.gfile.remove(probe)
 
 
+def read_json(path):
+  """A JSON file, or None where there is none."""
+  import json  # pylint: disable=g-import-not-at-top
+  if not tf.io.gfile.exists(path):
+    return None
+  with tf.io.gfile.GFile(path) as f:
+    return json.load(f)
+
+
 def write_text(path, text):
   """Writes a whole file, in one step for its readers: into a sibling,
   then renamed over `path` (a kill never leaves half a file). The sibling

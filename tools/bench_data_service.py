@@ -1,7 +1,7 @@
 """Input-bound training with and without the tf.data service.
 
 python -m tools.bench_data_service [--rounds=3] [--steps=60]
-    [--dir=/tmp/tfdist-bench-service]
+    [--dir=/tmp/tfdist-bench-service] [--data=files,own_files,own_range]
 
 It writes (once, kept in --dir) 8 TFRecord files of JPEGs (256x256), whose
 parse is CPU-heavy: decode, random crop, resize to 64x64, flip and
@@ -14,9 +14,14 @@ most double the trainer's rate. Each round runs, side by side and in turn:
                    data worker and the dispatcher pinned to core 1;
 - local, 2 cores:  the trainer parses its own input on both cores.
 
+For each --data: the files as a tfdist.FileData (files), the same files
+and parse as a pipeline built by hand (own_files), and a CPU-heavy map
+of a Dataset.range (own_range).
+
 A figure is the trainer's steps/s from step --warmup to --steps (the
-moments its log lines appear); each round starts with the next row. Prints every round, then the median
-[min-max] of each and of the service's ratio to the local, 1-core run.
+moments its log lines appear); each round starts with the next row.
+Prints every round, then the median [min-max] of each and of the
+service's ratio to the local, 1-core run.
 """
 
 import argparse
@@ -63,6 +68,40 @@ def data():
                          parse=parse, num_classes=CLASSES)
 
 
+def own_files():
+  """The same files and parse, as a pipeline built by hand."""
+  import tensorflow as tf
+  root = os.environ["BENCH_SERVICE_FILES"]
+  return tuple(tf.data.TFRecordDataset(sorted(tf.io.gfile.glob(
+      f"{root}/{split}-*"))).map(parse) for split in ("train", "eval"))
+
+
+def _synthesized(index):
+  """An image made from its index (smooth shapes and noise), then the
+  crop, resize and jitter of parse(): a CPU-heavy map of a range."""
+  import tensorflow as tf
+  seed = tf.stack([index, tf.constant(7, tf.int64)])
+  low = tf.random.stateless_uniform([16, 16, 3], seed, 0, 255)
+  image = tf.image.resize(low[None], [SIDE, SIDE])[0]
+  image += tf.random.stateless_normal([SIDE, SIDE, 3], seed, 0, 12)
+  image = tf.image.random_crop(image, [SIDE - 32, SIDE - 32, 3])
+  image = tf.image.resize(image, [OUT, OUT], method="bicubic")
+  image = tf.image.random_flip_left_right(image)
+  image = tf.image.random_brightness(image, 0.2 * 255)
+  image = tf.image.random_contrast(image, 0.8, 1.2)
+  return (tf.cast(tf.clip_by_value(image, 0, 255), tf.uint8),
+          index % CLASSES)
+
+
+def own_range():
+  """Dataset.range(n).map(heavy): a pipeline of your own, no files."""
+  import tensorflow as tf
+  # More examples than a run takes: nothing is read twice, so a cache
+  # (tfdist caches a pipeline it does not know reads files) saves nothing.
+  return (tf.data.Dataset.range(100_000).map(_synthesized),
+          tf.data.Dataset.range(64).map(_synthesized))
+
+
 def build():
   import keras
   model = keras.Sequential([
@@ -102,11 +141,17 @@ def _write(root):
     done.write("ok")
 
 
-def _trainer(cores, root, model_dir, steps, warmup, extra=()):
+DATA = {"files": "FileData over the JPEG files",
+        "own_files": "TFRecordDataset(files).map(parse), by hand",
+        "own_range": "Dataset.range(n).map(heavy), by hand"}
+
+
+def _trainer(cores, root, model_dir, steps, warmup, extra=(), data="files"):
   """Steps/s of one `python -m tfdist.train` on `cores` (taskset)."""
+  function = "data" if data == "files" else data
   command = ["taskset", "-c", cores, sys.executable, "-m", "tfdist.train",
              "--model=tools.bench_data_service:build",
-             "--dataset=tools.bench_data_service:data",
+             f"--dataset=tools.bench_data_service:{function}",
              f"--batch_size={BATCH}", f"--train_steps={steps}",
              "--steps_per_loop=1", "--log_every=1", "--eval_every=0",
              "--export=false", "--checkpoint_every=0", "--cache=off",
@@ -150,26 +195,34 @@ def main():
   parser.add_argument("--steps", type=int, default=60)
   parser.add_argument("--warmup", type=int, default=10)
   parser.add_argument("--dir", default="/tmp/tfdist-bench-service")
+  parser.add_argument("--data", default=",".join(DATA),
+                      help=f"comma-separated, of: {', '.join(DATA)}")
   args = parser.parse_args()
+  kinds = args.data.split(",")
+  if not set(kinds) <= set(DATA):
+    parser.error(f"--data takes {', '.join(DATA)}. Received: {args.data}")
   root = os.path.join(args.dir, "files")
   if not os.path.exists(f"{root}/DONE"):
     _write(root)
   journal = tempfile.mkdtemp(prefix="tfdist-bench-dispatcher-")
   address, service = _service(journal)
-  runs = {"local, 1 core": ("0", ()),
-          "service, 1 + 1 cores": ("0", (f"--data_service={address}",)),
-          "local, 2 cores": ("0,1", ())}
+  runs = {f"{kind}: {name}": (cores, extra, kind) for kind in kinds
+          for name, (cores, extra) in (
+              ("local, 1 core", ("0", ())),
+              ("service, 1 + 1 cores", ("0", (f"--data_service={address}",))),
+              ("local, 2 cores", ("0,1", ())))}
   rows = {name: [] for name in runs}
   try:
     for number in range(args.rounds):
       # Each round starts with the next row, so no row always runs first.
-      names = list(runs)[number % 3:] + list(runs)[:number % 3]
+      shift = number % len(runs)
+      names = list(runs)[shift:] + list(runs)[:shift]
       figures = {}
       for name in names:
-        cores, extra = runs[name]
+        cores, extra, kind = runs[name]
         figures[name] = _trainer(cores, root, f"{args.dir}/run-"
                                  f"{time.time()}", args.steps, args.warmup,
-                                 extra)
+                                 extra, kind)
         rows[name].append(figures[name])
       print(f"round {number + 1}: " + ", ".join(
           f"{n} {v:.2f} steps/s" for n, v in figures.items()), flush=True)
@@ -177,12 +230,14 @@ def main():
     for process in service:
       process.kill()
     shutil.rmtree(journal, ignore_errors=True)
-  ratio = [s / l for s, l in zip(rows["service, 1 + 1 cores"],
-                                 rows["local, 1 core"])]
   print(f"\nmedian [min-max] over {args.rounds} rounds, batch {BATCH}:")
   for name, values in rows.items():
-    print(f"  {name:22s} {_spread(values)} steps/s")
-  print(f"  service / local 1 core {_spread(ratio)}")
+    print(f"  {name:36s} {_spread(values)} steps/s")
+  for kind in kinds:
+    ratio = [s / l for s, l in zip(rows[f"{kind}: service, 1 + 1 cores"],
+                                   rows[f"{kind}: local, 1 core"])]
+    print(f"  {kind}: service / local 1 core {_spread(ratio)}  "
+          f"({DATA[kind]})")
 
 
 if __name__ == "__main__":

@@ -9,11 +9,17 @@ is cached unless it fits. Augmentation runs after the cache either way.
 """
 
 import dataclasses
+import hashlib
 import json
+import os
+import socket
 
 from absl import logging
 import numpy as np
 import tensorflow as tf
+
+from tfdist import storage
+from tfdist.errors import ConfigError
 
 AUTO_CACHE_BYTES = 64 << 20
 
@@ -21,7 +27,8 @@ AUTO_CACHE_BYTES = 64 << 20
 def example_bytes(example):
   """Bytes one parsed example takes in a cache (strings: their length)."""
   total = 0
-  for tensor in tf.nest.flatten(example):
+  # Sparse and ragged tensors: their values, indices and row splits.
+  for tensor in tf.nest.flatten(example, expand_composites=True):
     value = np.asarray(tensor.numpy() if hasattr(tensor, "numpy")
                        else tensor)
     if value.dtype == object:
@@ -62,64 +69,83 @@ def _weighed(dataset):
 def cached(source, mode, name, identity=None):
   """`source` (a function returning a tf.data.Dataset) with the cache
   `mode`; `name` tells apart the files of a PATH cache, and `identity`
-  (JSON-able) says what data they hold."""
+  (JSON-able: what data they hold) is hashed into their name, so that a
+  cache of other data is never read back, nor removed."""
   if mode == "off":
     return source
   if mode == "memory":
     return lambda: source().cache()
-  prefix = f"{mode}-{name}"
+  digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
+  prefix = f"{mode}-{name}-{digest.hexdigest()[:10]}"
 
   def from_files():
-    _prepare(prefix, identity)
+    _prepare(prefix)
     return source().cache(prefix)
   return from_files
 
 
 def identity(dataset, split):
-  """What a cache file of `split` holds: the data's name, size, files and
-  parse, so that a cache of other data is not read back."""
-  files = dataset.file_split
+  """What a cache file of `split` holds: the data's name, size, the
+  split's files and record counts, and the parse (its name and code)."""
+  files = dataset.file_split if split == "train" else dataset.eval_split
   parse = getattr(files, "parse", None)
+  code = getattr(parse, "__code__", None)
   return {"data": dataset.name, "split": split,
           "examples": (dataset.num_train_examples if split == "train"
                        else dataset.num_test_examples),
-          "files": sorted(zip(files.paths, files.counts)) if files else None,
-          "parse": getattr(parse, "__qualname__", None)}
+          "files": hashlib.sha256(json.dumps(
+              sorted(zip(files.paths, files.counts))).encode()).hexdigest()
+                   if files else None,
+          "parse": [getattr(parse, "__qualname__", repr(type(parse))),
+                    hashlib.sha256(code.co_code).hexdigest() if code
+                    else None]}
 
 
-def _prepare(prefix, held):
-  """Before TF's file cache at `prefix` is used: a cache of other data is
-  removed (its `.tfdist.json` names what it holds), and so is a first pass
-  cut short (its lockfile and partial shards, which TF takes for a
-  concurrent writer). Each host owns its own prefix."""
-  mark = prefix + ".tfdist.json"
-  wanted = json.dumps(held, sort_keys=True)
+def _prepare(prefix):
+  """Before TF's file cache at `prefix` is written: a first pass cut
+  short (TF's lockfile and partial shards, which TF takes for a
+  concurrent writer) is removed when its writer, named in
+  `prefix.tfdist.json`, is a process of this host that is gone; one
+  still running, or on another host, is one error line."""
   if tf.io.gfile.exists(prefix + ".index"):
-    if _read(mark) == wanted:
-      return
-    logging.warning("The cache at %s* holds other data than %s: it is "
-                    "written again.", prefix, held.get("data") if held
-                    else "this run's")
-    stale = [prefix + ".index", mark, *tf.io.gfile.glob(prefix + ".data-*")]
-  else:
-    stale = [*tf.io.gfile.glob(prefix + ".lockfile"),
-             *tf.io.gfile.glob(prefix + "_[0-9]*")]
-    if stale:
-      logging.warning("The cache at %s* was cut short before it was "
-                      "complete (a preemption?): it is written again.",
-                      prefix)
-  for path in stale:
-    if tf.io.gfile.exists(path):
-      tf.io.gfile.remove(path)
-  with tf.io.gfile.GFile(mark, "w") as out:
-    out.write(wanted)
+    return  # Complete; its name says what it holds.
+  mark = prefix + ".tfdist.json"
+  leftovers = [*tf.io.gfile.glob(prefix + "_[0-9]*.lockfile"),
+               *tf.io.gfile.glob(prefix + "_[0-9]*")]
+  if leftovers:
+    writer = storage.read_json(mark) or {}
+    if not _gone(writer):
+      raise ConfigError(
+          f"the cache at {prefix}* is being written by "
+          f"{writer.get('host')} (pid {writer.get('pid')}), or was left by "
+          "it: if no run writes it, remove those files; or give another "
+          "--cache.")
+    logging.warning("The cache at %s* was cut short before it was "
+                    "complete (a preemption?): it is written again.", prefix)
+    for path in set(leftovers):
+      if tf.io.gfile.exists(path):
+        tf.io.gfile.remove(path)
+  storage.write_text(mark, json.dumps({"host": socket.gethostname(),
+                                       "pid": os.getpid()}))
 
 
-def _read(path):
-  if not tf.io.gfile.exists(path):
-    return None
-  with tf.io.gfile.GFile(path) as lines:
-    return lines.read()
+def _gone(writer):
+  """Whether the process that wrote a cache's mark is no more: one of
+  this host's that has ended, or no mark (an older tfdist's cache)."""
+  if not writer:
+    return True
+  if writer.get("host") != socket.gethostname():
+    return False
+  pid = writer.get("pid")
+  if pid == os.getpid():
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return True
+  except (PermissionError, TypeError, OverflowError):
+    return False
+  return False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,10 @@ modification time, in its run record (tfdist_run.json), and a resume
 counts only the files that changed since.
 """
 
+import collections.abc
 import concurrent.futures
 import dataclasses
+import numbers
 import os
 import struct
 
@@ -32,15 +34,17 @@ class Found:
   mtime: int
   records: int
   counted: bool
+  given: bool = False  # By the user: not kept (it was not counted).
 
 
 def check_given(record_counts):
   """FileData's record_counts: {path: records >= 0}, or None."""
   if record_counts is None:
     return
-  if not (isinstance(record_counts, dict) and all(
-      isinstance(p, str) and isinstance(n, int) and not isinstance(n, bool)
-      and n >= 0 for p, n in record_counts.items())):
+  if not (isinstance(record_counts, collections.abc.Mapping) and all(
+      isinstance(p, str) and isinstance(n, numbers.Integral)
+      and not isinstance(n, bool) and n >= 0
+      for p, n in record_counts.items())):
     raise ConfigError("FileData record_counts takes {path: records}, "
                       "records a non-negative int. Received: "
                       f"record_counts={str(record_counts)[:120]}")
@@ -48,12 +52,15 @@ def check_given(record_counts):
 
 def given(record_counts):
   """A user's counts as `known` entries: true whatever the file's time."""
-  return {path: [None, None, n] for path, n in (record_counts or {}).items()}
+  return {path: [None, None, int(n)]
+          for path, n in (record_counts or {}).items()}
 
 
 def to_keep(found):
-  """What the run record keeps: {path: [bytes, mtime, records]}."""
-  return {path: [f.length, f.mtime, f.records] for path, f in found.items()}
+  """What the run keeps: {path: [bytes, mtime, records]} of the files it
+  counted or knew from a run (not those the user gave)."""
+  return {path: [f.length, f.mtime, f.records] for path, f in found.items()
+          if not f.given}
 
 
 def _scan(stream, size):
@@ -91,8 +98,12 @@ def _one(path, compression, name, known):
   try:
     stat = tf.io.gfile.stat(path)
     entry = known.get(path)
-    if entry and entry[0] in (None, stat.length) and entry[1] in (
-        None, stat.mtime_nsec):
+    if entry and entry[0] is None:  # Given by the user.
+      return Found(stat.length, stat.mtime_nsec, int(entry[2]), False, True)
+    # Kept by a run: while the file's size and time are the same (a
+    # filesystem that gives no time, 0, is counted again).
+    if entry and stat.mtime_nsec and entry[:2] == [stat.length,
+                                                   stat.mtime_nsec]:
       return Found(stat.length, stat.mtime_nsec, int(entry[2]), False)
     return Found(stat.length, stat.mtime_nsec,
                  count_records(path, compression), True)

@@ -26,11 +26,6 @@ from tfdist.errors import ConfigError
 SHUFFLE_BUFFER = 10_000
 
 
-def _epoch_seed(seed, epoch):
-  return randomness.epoch_seed(randomness.seed_tensor(seed),
-                               tf.cast(epoch, tf.int64))
-
-
 def _in_one_tensor(dataset, num_examples):
   """Whether one epoch fits one batch: few examples (the shuffle buffer
   held them all anyway), each a dense tensor of fixed shape."""
@@ -50,13 +45,18 @@ def _own_batches(items, *, prepare, seed, stream, start, batch_size,
   hosts, host = slice_of
   positioned = items.enumerate(start)
   if hosts > 1:
-    positioned = positioned.batch(batch_size, drop_remainder=True).shard(
-        hosts, host).unbatch()
+    # A filter, not batch-shard-unbatch: examples may differ in shape
+    # until the augment makes them one.
+    positioned = positioned.filter(
+        lambda position, _: (position - start) // batch_size % hosts == host)
   parse, augment = prepare
   if parse is None and augment is None:
     examples = positioned.map(lambda _, item: item)
   else:
-    drawn = randomness.draw(augment, seed=seed, stream=stream, start=start)
+    # Stateful draws: each host's slice draws apart (keyed draws are the
+    # one stream's, the same on every host).
+    drawn = randomness.draw(augment, seed=seed, stream=stream, start=start,
+                            apart=host)
     examples = positioned.map(
         lambda position, item: drawn(position, parse(item) if parse
                                      else item),
@@ -88,7 +88,7 @@ def _batches(source, num_examples, seed, start_example, batch_size,
     whole = base.batch(num_examples, drop_remainder=True).cache().repeat()
 
     def permuted(epoch, examples):
-      seed_pair = tf.stack([_epoch_seed(seed, epoch), tf.constant(
+      seed_pair = tf.stack([randomness.seed_of(seed, epoch), tf.constant(
           0, tf.int64)])
       order_ = tf.random.experimental.stateless_shuffle(
           tf.range(num_examples), seed=seed_pair)
@@ -103,8 +103,13 @@ def _batches(source, num_examples, seed, start_example, batch_size,
   buffer = min(num_examples, buffer)
 
   def one_epoch(epoch):
-    return randomness.shuffle(base, buffer,
-                              _epoch_seed(seed, epoch)).take(epoch_length)
+    shuffled = randomness.shuffle(base, buffer, randomness.seed_of(seed, epoch))
+    if epoch_length == num_examples:
+      return shuffled
+    # Read to the end, keep the first epoch_length: a cache that is not
+    # read to its end is thrown away by TF, every epoch.
+    return shuffled.enumerate().filter(
+        lambda index, _: index < epoch_length).map(lambda _, e: e)
 
   return _own_batches(epochs.flat_map(one_epoch).skip(offset),
                       prepare=(None, augment), seed=seed, stream=stream,
@@ -127,7 +132,7 @@ def _stream_batches(dataset, seed, start_example, batch_size, buffer,
 
   def one_epoch(epoch):
     return randomness.shuffle(dataset.train_source(), buffer,
-                              _epoch_seed(seed, epoch))
+                              randomness.seed_of(seed, epoch))
   examples = tf.data.Dataset.range(order.FOREVER).flat_map(one_epoch)
   return _own_batches(examples.skip(start_example),
                       prepare=(None, dataset.augment), seed=seed, stream=0,

@@ -30,6 +30,12 @@ def epoch_seed(seed, epoch):
   return seed * _MIX + epoch
 
 
+def seed_of(seed, epoch):
+  """epoch_seed as an int64 tensor (seed None: the clock's, see
+  seed_tensor)."""
+  return epoch_seed(seed_tensor(seed), tf.cast(epoch, tf.int64))
+
+
 def seed_tensor(seed):
   """The run's seed as an int64 tensor; `None` (asynchronous workers, each
   with an order of its own): drawn from the clock where the pipeline
@@ -76,8 +82,7 @@ def takes_seed(augment):
     parameters = inspect.signature(augment).parameters
   except (TypeError, ValueError):
     return False
-  return "seed" in parameters or any(
-      p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+  return "seed" in parameters
 
 
 def example_seed(seed, stream, position):
@@ -86,18 +91,20 @@ def example_seed(seed, stream, position):
                    tf.cast(position, tf.int64)])
 
 
-def draw(augment, *, seed, stream, start):
+def draw(augment, *, seed, stream, start, apart=0):
   """(position, example) -> the example augmented, its draws keyed as
   the module docstring says, for the stream `stream` read from `start`
-  on; the example itself when there is no augment."""
+  on; the example itself when there is no augment. `apart`: stateful
+  draws of hosts that augment slices of one stream differ by it."""
   if augment is None:
     return lambda position, example: example
   if takes_seed(augment):
     return lambda position, example: augment(
         *example, seed=example_seed(seed, stream, position))
   graph_seed = None  # Drawn anew where it runs.
-  if all(isinstance(n, int) for n in (seed, stream, start)):
-    graph_seed = epoch_seed(epoch_seed(seed, stream), start) % _MAX_SEED
+  if all(isinstance(n, int) for n in (seed, stream, start, apart)):
+    graph_seed = epoch_seed(epoch_seed(epoch_seed(seed, stream), start),
+                            apart) % _MAX_SEED
 
   def drawn(position, example):
     del position  # Stateful ops draw in the order they run.

@@ -98,10 +98,10 @@ def served_train_fn(dataset, *, service: Service, reader: Reader, run_name,
   from tfdist.data import service_units  # pylint: disable=g-import-not-at-top
   per_consumer = global_batch_size // max(reader.consumers, 1)
 
-  def batches_from(first_unit):
+  def batches_from(first_unit, resume=0):
     return service_units.served_batches(
         dataset, mode=service.mode, seed=seed, first_unit=first_unit,
-        batch_size=per_consumer, buffer=shuffle_buffer)
+        batch_size=per_consumer, buffer=shuffle_buffer, resume=resume)
   _check_servable(dataset, batches_from(0), unservable_ops)
 
   def train_fn(start_step):
@@ -111,7 +111,7 @@ def served_train_fn(dataset, *, service: Service, reader: Reader, run_name,
           dataset, trained=start_step * global_batch_size,
           lag=int(lag.numpy()))
       lag.assign(behind)
-    batches = batches_from(first_unit)
+    batches = batches_from(first_unit, start_step)
     name = _registered(batches, service, reader, (
         run_name, start_step, global_batch_size))
     spec = batches.element_spec

@@ -4,7 +4,11 @@ hands out one at a time (tfdist.data.service).
 Unit u is slice u % S of epoch u // S. A slice of a split read from files
 is every S-th file of the epoch's file order, interleaved and shuffled
 within the slice; a slice of other data is every S-th example of the
-epoch's shuffle. Each unit is read whole by one data worker and shuffled
+epoch's shuffle (each unit runs the whole pipeline to keep its slice).
+A pipeline of your own, or data in memory, whose one source TF can split
+(sources.splits_by_source) is served whole instead, an epoch a unit:
+DYNAMIC hands its source's splits (elements, or files) to the data
+workers, so each example is parsed once. Each unit is read whole by one data worker and shuffled
 on its own, so units never mix: under round-robin reads, with S a
 multiple of the data workers and slices of equal size, an epoch's units
 end together. A resume starts the epoch the stream is in again: the
@@ -17,16 +21,13 @@ import tensorflow as tf
 
 from tfdist.data import order
 from tfdist.data import randomness
+from tfdist.data import sources
 
 SLICE_FILES = 4  # Files per unit of a dynamic epoch read from many files.
 # Units per epoch, where the data allows: one unit an epoch would let 2
 # data workers read 2 epochs at once, and a resume taken as the later one
 # would skip the rest of the earlier.
 MIN_SLICES = 4
-
-
-def _seed_of(seed, unit):
-  return randomness.epoch_seed(tf.cast(seed, tf.int64), unit)
 
 
 def slices_per_epoch(dataset):
@@ -36,10 +37,40 @@ def slices_per_epoch(dataset):
     # Fewer than SLICE_FILES * MIN_SLICES files: a file or two per unit.
     return max(len(split.paths) // SLICE_FILES,
                min(len(split.paths), MIN_SLICES))
-  if dataset.num_train_examples is None:
+  if dataset.num_train_examples is None or by_source(dataset):
     return 1
   # A slice of a stream reads all of it (4 times the reads).
   return max(1, min(MIN_SLICES, dataset.num_train_examples))
+
+
+def by_source(dataset):
+  """Whether the service splits the pipeline's own source among its data
+  workers (see the module docstring)."""
+  return dataset.file_split is None and sources.splits_by_source(
+      dataset.train_source())
+
+
+def _by_source_stream(dataset, *, mode, seed, first_epoch, buffer):
+  """The pipeline shuffled anew each epoch and repeated, from
+  `first_epoch` on. `dynamic`: the dispatcher hands the source's splits
+  to the data workers, each shuffling what it reads; `parallel_epochs`:
+  each data worker reads all of it, in an order of its own (a seed drawn
+  where it runs). Augmentation draws anew where it runs: no example's
+  place in the stream is known."""
+  size = dataset.num_train_examples
+  shuffled = min(size, buffer) if size else buffer
+
+  def epochs(run_seed):
+    return randomness.shuffle(
+        dataset.train_source(), shuffled, randomness.seed_of(run_seed, first_epoch),
+        reshuffle=True).repeat()
+  if mode == "parallel_epochs":
+    examples = tf.data.Dataset.range(1).map(
+        lambda _: randomness.seed_tensor(None)).flat_map(epochs)
+  else:
+    examples = epochs(tf.constant(seed, tf.int64))
+  return randomness.augmented(examples, dataset.augment, seed=None,
+                              stream=0, start=0)
 
 
 def _file_unit(split, slices, buffer):
@@ -53,7 +84,7 @@ def _file_unit(split, slices, buffer):
     records_ = read.interleave(
         split.reader, cycle_length=order.CYCLE, block_length=1,
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return randomness.shuffle(records_, buffer, _seed_of(seed, unit)).map(
+    return randomness.shuffle(records_, buffer, randomness.seed_of(seed, unit)).map(
         split.parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   return records
 
@@ -66,7 +97,7 @@ def _example_unit(dataset, slices, buffer):
     epoch, part = unit // slices, unit % slices
     # The same seed for every slice of an epoch: one permutation, cut.
     return randomness.shuffle(dataset.train_source(), shuffled,
-                              _seed_of(seed, epoch)).shard(slices, part)
+                              randomness.seed_of(seed, epoch)).shard(slices, part)
   return examples
 
 
@@ -100,29 +131,34 @@ def resume_point(dataset, *, trained, lag):
   return epoch * slices_per_epoch(dataset), lag
 
 
-def _augmented_unit(unit, augment):
-  """Each unit's examples augmented, keyed by (seed, unit, place in the
-  unit): a unit is read whole by one data worker, so its keys are the
-  same whoever reads it and after a resume."""
+def _augmented_unit(unit, augment, resume):
+  """Each unit's examples augmented, keyed by (seed, resume, unit, place
+  in the unit): a unit is read whole by one data worker, so its keys are
+  the same whoever reads it; a resume (`resume`: its step), which reads
+  the epoch in progress again, draws anew."""
   def examples(unit_index, seed):
-    return randomness.augmented(unit(unit_index, seed), augment, seed=seed,
-                                stream=unit_index, start=0)
+    return randomness.augmented(
+        unit(unit_index, seed), augment,
+        seed=randomness.seed_of(seed, resume), stream=unit_index, start=0)
   return examples
 
 
-def served_examples(dataset, *, mode, seed, first_unit, buffer):
+def served_examples(dataset, *, mode, seed, first_unit, buffer, resume=0):
   """Parsed, augmented, unbatched examples in units (see the module
   docstring)."""
+  if by_source(dataset):
+    return _by_source_stream(dataset, mode=mode, seed=seed,
+                             first_epoch=first_unit, buffer=buffer)
   slices = slices_per_epoch(dataset)
   split = dataset.file_split
   unit = _augmented_unit(
       _file_unit(split, slices, buffer) if split is not None
-      else _example_unit(dataset, slices, buffer), dataset.augment)
+      else _example_unit(dataset, slices, buffer), dataset.augment, resume)
   if mode == "parallel_epochs":
     # Each data worker runs the whole stream in an order of its own: a
     # seed drawn where it runs.
     seeds = tf.data.Dataset.range(1).map(
-        lambda _: tf.cast(tf.timestamp() * 1e6, tf.int64))
+        lambda _: randomness.seed_tensor(None))
     examples = seeds.flat_map(lambda s: tf.data.Dataset.range(
         order.FOREVER).flat_map(lambda u: unit(u, s)))
   else:
@@ -132,7 +168,10 @@ def served_examples(dataset, *, mode, seed, first_unit, buffer):
   return examples
 
 
-def served_batches(dataset, *, mode, seed, first_unit, batch_size, buffer):
+def served_batches(dataset, *, mode, seed, first_unit, batch_size, buffer,
+                   resume=0):
+  """`resume`: the step the run resumed at, which keys augmentation."""
   examples = served_examples(dataset, mode=mode, seed=seed,
-                             first_unit=first_unit, buffer=buffer)
+                             first_unit=first_unit, buffer=buffer,
+                             resume=resume)
   return examples.batch(batch_size, drop_remainder=True)

@@ -37,13 +37,20 @@ def resolve_sharding(dataset, sharding, num_hosts, *, seed, streamed=False):
   return sharding
 
 
+def _fixed_left_out(dataset, num_hosts):
+  """The share an epoch leaves out when each host keeps its files."""
+  sizes = [dataset.train_files(num_hosts, host)[1]
+           for host in range(num_hosts)]
+  return 1 - num_hosts * min(sizes) / sum(sizes)
+
+
 def _check_fixed_files(dataset, num_hosts):
   """Cached data keeps each host's files for the whole run, and a host's
   epoch is as long as the shortest host's: a host with more examples
   samples each of them less often. Refused past MAX_LEFT_OUT."""
   sizes = [dataset.train_files(num_hosts, host)[1]
            for host in range(num_hosts)]
-  left_out = 1 - num_hosts * min(sizes) / sum(sizes)
+  left_out = _fixed_left_out(dataset, num_hosts)
   if left_out > MAX_LEFT_OUT:
     raise ConfigError(
         f"--input_sharding=file on cached data gives each host the same "
@@ -64,7 +71,8 @@ def describe(dataset, mode, sharding, num_hosts, streamed, seed):
   """The log line's reason for the sharding a run uses."""
   files = dataset.num_train_files
   if mode == "file":
-    left_out = _left_out(dataset, num_hosts, seed)
+    left_out = (_left_out(dataset, num_hosts, seed) if streamed
+                else _fixed_left_out(dataset, num_hosts))
     return (f"each host reads only its own files, about 1/{num_hosts} of "
             f"{files}" + (
                 f"; each epoch leaves out about {left_out:.1%} of the "

@@ -10,6 +10,7 @@ tf.data pipeline over files is streamed as it is.
 """
 
 import dataclasses
+import re
 from typing import Callable, Optional, Tuple
 
 from absl import logging
@@ -251,3 +252,43 @@ def sample_batch(dataset: Dataset, size=2):
   for batch in dataset.train_source().batch(size).take(1):
     return tuple(batch[:2])
   raise ConfigError(f"{dataset.name}: the train split has no examples.")
+
+
+# Sources TF's tf.data service can split among its data workers
+# (ShardingPolicy.DYNAMIC), and the transformations that act on each
+# element alone, so that running them on each worker's splits gives the
+# same examples: a pipeline made of one such source and these only may
+# have its source split.
+_SPLITTABLE_SOURCES = frozenset((
+    "RangeDataset", "TensorSliceDataset", "TFRecordDataset",
+    "TFRecordDatasetV2", "TextLineDataset", "TextLineDatasetV2",
+    "FixedLengthRecordDataset", "FixedLengthRecordDatasetV2"))
+_PER_ELEMENT = frozenset((
+    "MapDataset", "ParallelMapDataset", "ParallelMapDatasetV2",
+    "FilterDataset", "ShuffleDataset", "ShuffleDatasetV2",
+    "ShuffleDatasetV3", "PrefetchDataset", "CacheDatasetV2",
+    "InterleaveDataset", "ParallelInterleaveDatasetV2",
+    "ParallelInterleaveDatasetV3", "ParallelInterleaveDatasetV4",
+    "FlatMapDataset", "OptionsDataset", "ModelDataset",
+    "MaxIntraOpParallelismDataset", "PrivateThreadPoolDataset",
+    "AssertCardinalityDataset", "IgnoreErrorsDatasetV2"))
+
+
+def splits_by_source(dataset):
+  """Whether the tf.data service may split `dataset`'s source among its
+  data workers: one splittable source (a range, tensor slices, a list of
+  files) and per-element transformations after it (map, filter,
+  shuffle, interleave), nothing that counts or pairs elements (take,
+  skip, zip, enumerate, batch), which would act on each worker's splits
+  apart. Transformations inside functions (an interleave's files) are
+  not split."""
+  try:
+    graph = tf.compat.v1.GraphDef.FromString(
+        _graph_def(dataset, _WARN).numpy())
+  except (tf.errors.OpError, ValueError):
+    return False
+  kinds = [node.op for node in graph.node
+           if re.fullmatch(r"\w+Dataset(V\d+)?", node.op)]
+  sources_ = [op for op in kinds if op in _SPLITTABLE_SOURCES]
+  return len(sources_) == 1 and all(
+      op in _SPLITTABLE_SOURCES or op in _PER_ELEMENT for op in kinds)
