@@ -544,8 +544,11 @@ def _run_parts(config, info, task, *, write_dir, callbacks):
   preflight.check_run(config, info, local)
   inputs = _inputs(config, info, task)
   if info.peers and not info.coordinator and inputs.record_counts:
-    data_agreement.check_same_files(info.strategy, inputs.record_counts,
-                                    info.task_name)
+    # A peer that failed before it (its files did not parse, say) is a
+    # lost peer here: one line, not the collective's traceback.
+    with runners.peer_losses_named(info.task_name, info.peers):
+      data_agreement.check_same_files(info.strategy, inputs.record_counts,
+                                      info.task_name)
   parts = _model_and_optimizer(config, info, task, inputs.sample)
   loops = _loops(config, info, task, parts, inputs.sample, local)
   store = _checkpoint_store(config, task, parts, write_dir, inputs)
