@@ -250,3 +250,23 @@ def test_the_dispatcher_takes_its_config_proto():
   server = tf.data.experimental.service.DispatchServer(config)
   assert server.target.startswith("grpc://"), VERSIONS
   server.stop()
+
+
+def test_a_shuffle_in_a_traced_function_ignores_the_global_seed():
+  """tfdist.data.randomness sets a traced function's graph seed aside
+  around a shuffle (TF's get_seed reads it): the order then depends on
+  the shuffle's own seed only, and a global seed of 0 does not fail the
+  trace. If TF stops reading the function graph's seed, the orders
+  below differ (and --seed=0 fails again)."""
+  from tfdist.data import randomness  # pylint: disable=g-import-not-at-top
+
+  def order_under(global_seed):
+    tf.random.set_seed(global_seed)
+    try:
+      epochs = tf.data.Dataset.range(2).flat_map(
+          lambda epoch: randomness.shuffle(tf.data.Dataset.range(20), 20,
+                                           epoch + 7))
+      return [int(x) for x in epochs]
+    finally:
+      tf.random.set_seed(None)
+  assert order_under(0) == order_under(5) == order_under(123), VERSIONS
