@@ -38,6 +38,8 @@ import portpicker
 
 SIDE, OUT, CLASSES, FILES, PER_FILE = 256, 64, 10, 8, 400
 BATCH = 64
+SHUFFLE = 256
+SYNTH = 100  # The synthesized images' side: about the JPEG parse's cost.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STEP = re.compile(r"train step (\d+)/")
 
@@ -82,9 +84,9 @@ def _synthesized(index):
   import tensorflow as tf
   seed = tf.stack([index, tf.constant(7, tf.int64)])
   low = tf.random.stateless_uniform([16, 16, 3], seed, 0, 255)
-  image = tf.image.resize(low[None], [SIDE, SIDE])[0]
-  image += tf.random.stateless_normal([SIDE, SIDE, 3], seed, 0, 12)
-  image = tf.image.random_crop(image, [SIDE - 32, SIDE - 32, 3])
+  image = tf.image.resize(low[None], [SYNTH, SYNTH])[0]
+  image += tf.random.stateless_normal([SYNTH, SYNTH, 3], seed, 0, 12)
+  image = tf.image.random_crop(image, [SYNTH - 12, SYNTH - 12, 3])
   image = tf.image.resize(image, [OUT, OUT], method="bicubic")
   image = tf.image.random_flip_left_right(image)
   image = tf.image.random_brightness(image, 0.2 * 255)
@@ -155,6 +157,9 @@ def _trainer(cores, root, model_dir, steps, warmup, extra=(), data="files"):
              f"--batch_size={BATCH}", f"--train_steps={steps}",
              "--steps_per_loop=1", "--log_every=1", "--eval_every=0",
              "--export=false", "--checkpoint_every=0", "--cache=off",
+             # A buffer of a whole epoch would parse it before step 0,
+             # out of the measured steps (a pipeline built by hand).
+             f"--shuffle_buffer={SHUFFLE}",
              f"--model_dir={model_dir}", *extra]
   proc = subprocess.Popen(command, cwd=_ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True,

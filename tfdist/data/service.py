@@ -103,6 +103,14 @@ def served_train_fn(dataset, *, service: Service, reader: Reader, run_name,
         dataset, mode=service.mode, seed=seed, first_unit=first_unit,
         batch_size=per_consumer, buffer=shuffle_buffer, resume=resume)
   _check_servable(dataset, batches_from(0), unservable_ops)
+  if dataset.file_split is None:
+    logging.info(
+        "Input: %s on the tf.data service: %s.", dataset.name,
+        "its source split among the data workers, each example made once"
+        if service_units.by_source(dataset) else
+        "cut in units, each reading the whole pipeline to keep its part "
+        "(its source cannot be split: several sources, or a step such as "
+        "take, skip or batch)")
 
   def train_fn(start_step):
     first_unit = 0  # parallel_epochs: each data worker's order of its own.
