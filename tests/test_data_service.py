@@ -316,8 +316,8 @@ def _served_ids(dataset, count, data_workers):
   service = tf.data.experimental.service
   dispatcher = service.DispatchServer()
   workers = [service.WorkerServer(service.WorkerConfig(
-      dispatcher_address=dispatcher.target.split("://")[1]))
-             for _ in range(data_workers)]
+      dispatcher_address=dispatcher.target.split("://")[1],
+      heartbeat_interval_ms=200)) for _ in range(data_workers)]
   batches = service_units.served_batches(
       dataset, mode="dynamic", seed=0, first_unit=0, batch_size=10,
       buffer=16)
@@ -355,6 +355,13 @@ def test_a_pipeline_of_your_own_is_split_at_its_source():
                                       numbers)
   zipped = data.from_user("zipped", zipped_source, zipped_source)
   assert service_units.by_source(own) and not service_units.by_source(zipped)
+  # Served without tfdist's cache of data in memory: a cache on a data
+  # worker would keep its first epoch's splits for good.
+  from tfdist.data import sources  # pylint: disable=g-import-not-at-top
+  served = service_units.served_batches(own, mode="dynamic", seed=0,
+                                        first_unit=0, batch_size=10,
+                                        buffer=16)
+  assert "CacheDatasetV2" not in sources._graph_ops(served)  # pylint: disable=protected-access
   ids, matched = _served_ids(own, 120, data_workers=1)
   assert matched and collections.Counter(ids) == {i: 2 for i in range(60)}
   for dataset in (own, zipped):

@@ -7,7 +7,6 @@ host."""
 
 import dataclasses
 import json
-import socket
 
 import numpy as np
 import pytest
@@ -327,12 +326,20 @@ def test_a_file_cache_cut_short_is_written_again_and_a_live_one_kept(
                     os.path.dirname(__file__), str(tmp_path / "live")],
                    check=True, capture_output=True, timeout=120)
     (mark,) = tf.io.gfile.glob(f"{tmp_path}/live-train-0-of-1-*.tfdist.json")
+    from tfdist.data import cache as cache_lib
+    writer = {**json.load(open(mark)), "pid": live.pid,
+              "start": cache_lib._started(live.pid)}  # pylint: disable=protected-access
     with open(mark, "w") as out:
-      out.write(json.dumps({"host": socket.gethostname(), "pid": live.pid}))
+      out.write(json.dumps(writer))
     with pytest.raises(ConfigError, match=r"cache at .*live-train-0-of-1-"
                        r"\w+\* is being written by .*pid \d+"):
       _batches(dataset, steps=1, cache=str(tmp_path / "live"))
     assert tf.io.gfile.glob(f"{tmp_path}/live-train-0-of-1-*_0.lockfile")
+    # The same pid, another process (a container restarted in its pod).
+    with open(mark, "w") as out:
+      out.write(json.dumps({**writer, "start": writer["start"] - 1}))
+    assert len(_ids(_batches(dataset, steps=23,
+                             cache=str(tmp_path / "live")))) == 184
   finally:
     live.kill()
     live.wait()
@@ -504,10 +511,15 @@ def test_stateful_draws_differ_by_host_under_batch_sharding(
   assert not np.allclose(drawn[0], drawn[1], atol=1e-4)
 
 
-def test_counts_a_user_gives_are_used_not_kept(root):
+def test_counts_a_user_gives_are_used_compared_and_not_reused(root):
+  """Kept marked as given: the workers' digest covers the file, and a
+  later run without the user's count counts it."""
   paths = sorted(tf.io.gfile.glob(f"{root}/train-*"))
-  given = _file_data(root, record_counts={paths[0]: np.int64(30)})
+  given = _file_data(root, record_counts={paths[0]: np.int64(29)})
   dataset = data.file_dataset(given, "given")
-  assert dataset.file_split.counts[0] == 30
-  assert paths[0] not in dataset.record_counts
-  assert paths[1] in dataset.record_counts
+  assert dataset.file_split.counts[0] == 29
+  assert dataset.record_counts[paths[0]][2:] == [29, "given"]
+  assert len(dataset.record_counts[paths[1]]) == 3
+  later = data.file_dataset(_file_data(root), "later",
+                            dataset.record_counts)
+  assert later.file_split.counts[0] == 30

@@ -270,3 +270,27 @@ def test_a_shuffle_in_a_traced_function_ignores_the_global_seed():
     finally:
       tf.random.set_seed(None)
   assert order_under(0) == order_under(5) == order_under(123), VERSIONS
+
+
+def test_the_service_splits_the_sources_tfdist_names():
+  """tfdist.data.sources.splits_by_source reads TF's dataset op names
+  (RangeDataset, ParallelMapDatasetV2, ...): a release that renames one
+  would send such pipelines back to units (4x the data workers' CPU)
+  without an error. Each of these must still be split at its source;
+  the others not."""
+  from tfdist.data import sources  # pylint: disable=g-import-not-at-top
+  numbers = tf.data.Dataset.range(8)
+  files = tf.data.TFRecordDataset(["/nonexistent/a", "/nonexistent/b"])
+  split = [numbers.map(lambda x: x + 1),
+           numbers.map(lambda x: x + 1, num_parallel_calls=2),
+           numbers.filter(lambda x: x > 1).shuffle(4).prefetch(1),
+           files.map(tf.strings.length),
+           tf.data.Dataset.from_tensor_slices(["a", "b"]).interleave(
+               tf.data.TFRecordDataset, num_parallel_calls=2),
+           tf.data.Dataset.from_tensor_slices(np.zeros((4, 2)))]
+  kept_whole = [numbers.cache(), numbers.take(3), numbers.skip(1),
+                numbers.batch(2), numbers.enumerate(),
+                tf.data.Dataset.zip(numbers, numbers),
+                numbers.apply(tf.data.experimental.assert_cardinality(8))]
+  assert [sources.splits_by_source(d) for d in split] == [True] * 6, VERSIONS
+  assert not any(sources.splits_by_source(d) for d in kept_whole), VERSIONS

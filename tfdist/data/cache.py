@@ -10,9 +10,11 @@ is cached unless it fits. Augmentation runs after the cache either way.
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import socket
+import time
 
 from absl import logging
 import numpy as np
@@ -22,6 +24,9 @@ from tfdist import storage
 from tfdist.errors import ConfigError
 
 AUTO_CACHE_BYTES = 64 << 20
+# A cache cut short on another host is taken for dead when none of its
+# files changed for this long.
+STALE_SECONDS = 3600
 
 
 def example_bytes(example):
@@ -85,20 +90,41 @@ def cached(source, mode, name, identity=None):
 
 
 def identity(dataset, split):
-  """What a cache file of `split` holds: the data's name, size, the
-  split's files and record counts, and the parse (its name and code)."""
+  """What a cache file of `split` holds: the data's name and size, the
+  split's files (records, bytes, modification times) and the parse (its
+  source, bytecode, constants and names; not the functions it calls)."""
   files = dataset.file_split if split == "train" else dataset.eval_split
-  parse = getattr(files, "parse", None)
-  code = getattr(parse, "__code__", None)
+  kept = dataset.record_counts or {}
   return {"data": dataset.name, "split": split,
           "examples": (dataset.num_train_examples if split == "train"
                        else dataset.num_test_examples),
-          "files": hashlib.sha256(json.dumps(
-              sorted(zip(files.paths, files.counts))).encode()).hexdigest()
+          "files": _digest(sorted(
+              (path, kept.get(path, [None, None, count])[:3])
+              for path, count in zip(files.paths, files.counts)))
                    if files else None,
-          "parse": [getattr(parse, "__qualname__", repr(type(parse))),
-                    hashlib.sha256(code.co_code).hexdigest() if code
-                    else None]}
+          "parse": _code_digest(files.parse) if files else None}
+
+
+def _digest(value):
+  return hashlib.sha256(repr(value).encode()).hexdigest()
+
+
+def _code_digest(function):
+  """A function's source, bytecode, constants and names (and a partial's
+  arguments): a parse edited in place is other data."""
+  target = getattr(function, "func", function)  # functools.partial
+  parts = [getattr(target, "__qualname__", type(target).__qualname__),
+           repr(getattr(function, "args", ())),
+           repr(getattr(function, "keywords", {}))]
+  try:
+    parts.append(inspect.getsource(target))
+  except (OSError, TypeError):
+    pass
+  code = getattr(target, "__code__", None)
+  if code is not None:
+    parts += [code.co_code.hex(), repr(code.co_names), repr(
+        [c for c in code.co_consts if not inspect.iscode(c)])]
+  return _digest(parts)
 
 
 def _prepare(prefix):
@@ -114,7 +140,7 @@ def _prepare(prefix):
                *tf.io.gfile.glob(prefix + "_[0-9]*")]
   if leftovers:
     writer = storage.read_json(mark) or {}
-    if not _gone(writer):
+    if not _gone(writer, leftovers):
       raise ConfigError(
           f"the cache at {prefix}* is being written by "
           f"{writer.get('host')} (pid {writer.get('pid')}), or was left by "
@@ -125,27 +151,46 @@ def _prepare(prefix):
     for path in set(leftovers):
       if tf.io.gfile.exists(path):
         tf.io.gfile.remove(path)
-  storage.write_text(mark, json.dumps({"host": socket.gethostname(),
-                                       "pid": os.getpid()}))
+  storage.write_text(mark, json.dumps(_this_process()))
 
 
-def _gone(writer):
-  """Whether the process that wrote a cache's mark is no more: one of
-  this host's that has ended, or no mark (an older tfdist's cache)."""
+def _this_process():
+  return {"host": socket.gethostname(), "pid": os.getpid(),
+          "boot": _boot_id(), "start": _started(os.getpid())}
+
+
+def _gone(writer, leftovers):
+  """Whether the process that wrote a cache's mark is no more: no mark
+  (an older tfdist's); on this host (same boot), a process that has
+  ended or whose pid another one took (a container restarted in its pod
+  starts as the same pid); on another host, files untouched for
+  STALE_SECONDS (a writer appends as it goes)."""
   if not writer:
     return True
-  if writer.get("host") != socket.gethostname():
-    return False
-  pid = writer.get("pid")
-  if pid == os.getpid():
-    return False
+  if writer.get("host") == socket.gethostname() and writer.get("boot") == (
+      _boot_id()):
+    pid = writer.get("pid")
+    return not isinstance(pid, int) or _started(pid) != writer.get("start")
+  newest = max(tf.io.gfile.stat(path).mtime_nsec for path in leftovers)
+  return time.time() - newest / 1e9 > STALE_SECONDS
+
+
+def _boot_id():
   try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return True
-  except (PermissionError, TypeError, OverflowError):
-    return False
-  return False
+    with open("/proc/sys/kernel/random/boot_id") as boot:
+      return boot.read().strip()
+  except OSError:
+    return None
+
+
+def _started(pid):
+  """A process's start (clock ticks after boot), or None when there is
+  no such process (or no /proc)."""
+  try:
+    with open(f"/proc/{pid}/stat") as stat:
+      return int(stat.read().rsplit(")", 1)[1].split()[19])
+  except (OSError, IndexError, ValueError):
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

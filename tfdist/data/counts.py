@@ -57,10 +57,12 @@ def given(record_counts):
 
 
 def to_keep(found):
-  """What the run keeps: {path: [bytes, mtime, records]} of the files it
-  counted or knew from a run (not those the user gave)."""
-  return {path: [f.length, f.mtime, f.records] for path, f in found.items()
-          if not f.given}
+  """What the run keeps: {path: [bytes, mtime, records]}; a count the user
+  gave is marked so ([..., "given"]): the workers compare it, and a later
+  run does not take it for one it counted."""
+  return {path: [f.length, f.mtime, f.records, *(["given"] if f.given
+                                                 else [])]
+          for path, f in found.items()}
 
 
 def _scan(stream, size):
@@ -100,10 +102,10 @@ def _one(path, compression, name, known):
     entry = known.get(path)
     if entry and entry[0] is None:  # Given by the user.
       return Found(stat.length, stat.mtime_nsec, int(entry[2]), False, True)
-    # Kept by a run: while the file's size and time are the same (a
-    # filesystem that gives no time, 0, is counted again).
-    if entry and stat.mtime_nsec and entry[:2] == [stat.length,
-                                                   stat.mtime_nsec]:
+    # Kept by a run, and counted by it: while the file's size and time
+    # are the same (a filesystem that gives no time, 0, is counted again).
+    if entry and len(entry) == 3 and stat.mtime_nsec and entry[:2] == [
+        stat.length, stat.mtime_nsec]:
       return Found(stat.length, stat.mtime_nsec, int(entry[2]), False)
     return Found(stat.length, stat.mtime_nsec,
                  count_records(path, compression), True)

@@ -98,6 +98,8 @@ def draw(augment, *, seed, stream, start, apart=0):
   draws of hosts that augment slices of one stream differ by it."""
   if augment is None:
     return lambda position, example: example
+  if takes_seed(augment) and seed is None:
+    return lambda position, example: augment(*example, seed=_drawn_seed())
   if takes_seed(augment):
     return lambda position, example: augment(
         *example, seed=example_seed(seed, stream, position))
@@ -111,6 +113,13 @@ def draw(augment, *, seed, stream, start, apart=0):
     with _graph_seed(graph_seed):
       return augment(*example)
   return drawn
+
+
+def _drawn_seed():
+  """A stateless seed drawn anew for each example, where no place in a
+  stream keys it (a clock's would repeat within a microsecond)."""
+  with _graph_seed(None):
+    return tf.random.uniform([2], 0, 2**62, dtype=tf.int64)
 
 
 def augmented(examples, augment, *, seed, stream, start):

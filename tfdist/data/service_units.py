@@ -43,11 +43,17 @@ def slices_per_epoch(dataset):
   return max(1, min(MIN_SLICES, dataset.num_train_examples))
 
 
+def _shuffled(dataset, buffer):
+  """The shuffle buffer: no larger than the data."""
+  size = dataset.num_train_examples
+  return min(size, buffer) if size else buffer
+
+
 def by_source(dataset):
   """Whether the service splits the pipeline's own source among its data
   workers (see the module docstring)."""
-  return dataset.file_split is None and sources.splits_by_source(
-      dataset.train_source())
+  return dataset.train_pipeline is not None and sources.splits_by_source(
+      dataset.train_pipeline())
 
 
 def _by_source_stream(dataset, *, mode, seed, first_epoch, buffer):
@@ -57,13 +63,12 @@ def _by_source_stream(dataset, *, mode, seed, first_epoch, buffer):
   each data worker reads all of it, in an order of its own (a seed drawn
   where it runs). Augmentation draws anew where it runs: no example's
   place in the stream is known."""
-  size = dataset.num_train_examples
-  shuffled = min(size, buffer) if size else buffer
+  shuffled = _shuffled(dataset, buffer)
 
   def epochs(run_seed):
     return randomness.shuffle(
-        dataset.train_source(), shuffled, randomness.seed_of(run_seed, first_epoch),
-        reshuffle=True).repeat()
+        dataset.train_pipeline(), shuffled,
+        randomness.seed_of(run_seed, first_epoch), reshuffle=True).repeat()
   if mode == "parallel_epochs":
     examples = tf.data.Dataset.range(1).map(
         lambda _: randomness.seed_tensor(None)).flat_map(epochs)
@@ -90,8 +95,7 @@ def _file_unit(split, slices, buffer):
 
 
 def _example_unit(dataset, slices, buffer):
-  size = dataset.num_train_examples
-  shuffled = min(size, buffer) if size else buffer
+  shuffled = _shuffled(dataset, buffer)
 
   def examples(unit, seed):
     epoch, part = unit // slices, unit % slices

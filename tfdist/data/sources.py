@@ -10,6 +10,7 @@ tf.data pipeline over files is streamed as it is.
 """
 
 import dataclasses
+import functools
 import re
 from typing import Callable, Optional, Tuple
 
@@ -55,6 +56,9 @@ class Dataset:
   # The eval split's files, when read from files: streamed, each host
   # parses only the eval batches it keeps.
   eval_split: Optional[object] = None
+  # A user's train pipeline as they built it, without tfdist's cache:
+  # what the tf.data service may split at its source.
+  train_pipeline: Optional[Callable[[], tf.data.Dataset]] = None
   # The source holds its data in this process (arrays): caching is free.
   in_memory: bool = True
 
@@ -172,7 +176,7 @@ def from_user(name, train, test):
                                               cache=not streamed),
                  test_source=portable_source(test, f"{name} (eval)",
                                              cache=not test_streamed),
-                 in_memory=not streamed)
+                 in_memory=not streamed, train_pipeline=lambda: train)
 
 
 def _train_size(name, train, streamed):
@@ -266,14 +270,18 @@ _SPLITTABLE_SOURCES = frozenset((
 _PER_ELEMENT = frozenset((
     "MapDataset", "ParallelMapDataset", "ParallelMapDatasetV2",
     "FilterDataset", "ShuffleDataset", "ShuffleDatasetV2",
-    "ShuffleDatasetV3", "PrefetchDataset", "CacheDatasetV2",
+    "ShuffleDatasetV3", "PrefetchDataset",
     "InterleaveDataset", "ParallelInterleaveDatasetV2",
     "ParallelInterleaveDatasetV3", "ParallelInterleaveDatasetV4",
     "FlatMapDataset", "OptionsDataset", "ModelDataset",
     "MaxIntraOpParallelismDataset", "PrivateThreadPoolDataset",
-    "AssertCardinalityDataset", "IgnoreErrorsDatasetV2"))
+    "IgnoreErrorsDatasetV2"))
+# Not per element under a split source: a cache (each data worker would
+# keep its first epoch's splits for good), assert_cardinality (each
+# worker's share is smaller), take, skip, zip, enumerate, batch.
 
 
+@functools.lru_cache(maxsize=8)
 def splits_by_source(dataset):
   """Whether the tf.data service may split `dataset`'s source among its
   data workers: one splittable source (a range, tensor slices, a list of
