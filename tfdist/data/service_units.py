@@ -8,10 +8,10 @@ epoch's shuffle (each unit runs the whole pipeline to keep its slice).
 A pipeline of your own, or data in memory, whose one source TF can split
 (sources.splits_by_source) is served whole instead, an epoch a unit:
 DYNAMIC hands its source's splits (elements, or files) to the data
-workers, so each example is parsed once. Each unit is read whole by one data worker and shuffled
-on its own, so units never mix: under round-robin reads, with S a
-multiple of the data workers and slices of equal size, an epoch's units
-end together. A resume starts the epoch the stream is in again: the
+workers, so each example is parsed once. Each unit is read whole by one
+data worker and shuffled on its own, so units never mix: under
+round-robin reads, with S a multiple of the data workers and slices of
+equal size, an epoch's units end together. A resume starts the epoch the stream is in again: the
 stream then runs behind the step count (the lag, which the checkpoint
 keeps, so that a second resume finds the stream's own epoch).
 """
@@ -89,8 +89,10 @@ def _file_unit(split, slices, buffer):
     records_ = read.interleave(
         split.reader, cycle_length=order.CYCLE, block_length=1,
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return randomness.shuffle(records_, buffer, randomness.seed_of(seed, unit)).map(
-        split.parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return randomness.shuffle(
+        records_, buffer, randomness.seed_of(seed, unit)).map(
+            split.parse, num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=True)
   return records
 
 
@@ -100,8 +102,9 @@ def _example_unit(dataset, slices, buffer):
   def examples(unit, seed):
     epoch, part = unit // slices, unit % slices
     # The same seed for every slice of an epoch: one permutation, cut.
-    return randomness.shuffle(dataset.train_source(), shuffled,
-                              randomness.seed_of(seed, epoch)).shard(slices, part)
+    return randomness.shuffle(
+        dataset.train_source(), shuffled,
+        randomness.seed_of(seed, epoch)).shard(slices, part)
   return examples
 
 
