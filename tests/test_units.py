@@ -633,7 +633,8 @@ def test_a_served_resume_starts_the_epoch_its_stream_is_in():
   2): epoch 1 is read again, none of it skipped."""
   from tfdist.data import service_units
   dataset = types.SimpleNamespace(file_split=None, num_train_examples=1000,
-                                  in_memory=True, name="d")
+                                  in_memory=True, name="d",
+                                  train_pipeline=None)
   assert service_units.resume_point(dataset, trained=0, lag=0) == (0, 0)
   assert service_units.resume_point(dataset, trained=900, lag=0) == (0, 900)
   assert service_units.resume_point(dataset, trained=2100, lag=900) == (
@@ -643,5 +644,14 @@ def test_a_served_resume_starts_the_epoch_its_stream_is_in():
       0, 100)
   # Unknown size: the stream starts again, and runs behind by it all.
   unknown = types.SimpleNamespace(file_split=None, num_train_examples=None,
-                                  in_memory=False, name="d")
+                                  in_memory=False, name="d",
+                                  train_pipeline=None)
   assert service_units.resume_point(unknown, trained=640, lag=0) == (0, 640)
+  # Split at its source: a unit is an epoch.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  numbers = tf.data.Dataset.range(1000)
+  split = types.SimpleNamespace(file_split=None, num_train_examples=1000,
+                                in_memory=True, name="d",
+                                train_pipeline=lambda: numbers)
+  assert service_units.resume_point(split, trained=2100, lag=900) == (
+      1, 1100)
