@@ -53,12 +53,17 @@ def _file_data(root, **kwargs):
                        parse=_parse, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
+def write_split_files(tmp_path_factory, counts):
+  """Train files of `counts` records and eval files of 7 and 5."""
   path = str(tmp_path_factory.mktemp("files"))
-  _write(path, COUNTS)
+  _write(path, counts)
   _write(path, [7, 5], prefix="eval")
   return path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+  return write_split_files(tmp_path_factory, COUNTS)
 
 
 @pytest.fixture(scope="module")

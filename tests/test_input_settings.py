@@ -17,16 +17,14 @@ from tfdist.data import service_units
 from tfdist.errors import ConfigError
 from test_file_input import _file_data
 from test_file_input import _write
+from test_file_input import write_split_files
 
 COUNTS = [30, 26, 34, 30, 28, 32]
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("files"))
-  _write(path, COUNTS)
-  _write(path, [7, 5], prefix="eval")
-  return path
+  return write_split_files(tmp_path_factory, COUNTS)
 
 
 @pytest.fixture

@@ -129,15 +129,13 @@ def _code_digest(function):
 
 def _prepare(prefix):
   """Before TF's file cache at `prefix` is written: a first pass cut
-  short (TF's lockfile and partial shards, which TF takes for a
-  concurrent writer) is removed when its writer, named in
-  `prefix.tfdist.json`, is a process of this host that is gone; one
-  still running, or on another host, is one error line."""
+  short (TF's `prefix_N.lockfile` and partial shards, which TF takes for
+  a concurrent writer) is removed when its writer, named in
+  `prefix.tfdist.json`, is gone (see _gone); otherwise one error line."""
   if tf.io.gfile.exists(prefix + ".index"):
     return  # Complete; its name says what it holds.
   mark = prefix + ".tfdist.json"
-  leftovers = [*tf.io.gfile.glob(prefix + "_[0-9]*.lockfile"),
-               *tf.io.gfile.glob(prefix + "_[0-9]*")]
+  leftovers = tf.io.gfile.glob(prefix + "_[0-9]*")  # Lockfile included.
   if leftovers:
     writer = storage.read_json(mark) or {}
     if not _gone(writer, leftovers):
@@ -148,7 +146,7 @@ def _prepare(prefix):
           "--cache.")
     logging.warning("The cache at %s* was cut short before it was "
                     "complete (a preemption?): it is written again.", prefix)
-    for path in set(leftovers):
+    for path in leftovers:
       if tf.io.gfile.exists(path):
         tf.io.gfile.remove(path)
   storage.write_text(mark, json.dumps(_this_process()))

@@ -34,7 +34,7 @@ class Found:
   mtime: int
   records: int
   counted: bool
-  given: bool = False  # By the user: not kept (it was not counted).
+  given: bool = False  # By the user: kept marked as given.
 
 
 def check_given(record_counts):

@@ -203,7 +203,7 @@ def _file_batches(dataset, policy, seed, hosts, host, start, per_host,
   source, num_examples = dataset.train_files(hosts, host)
   # Every host's epoch is as long as the shortest host's, so that hosts
   # stay in the same epoch (each leaves out other examples each epoch).
-  shortest = min(dataset.train_files(hosts, h)[1] for h in range(hosts))
+  shortest = min(sharding_lib.host_sizes(dataset, hosts))
   return _batches(policy.source(dataset, source,
                                 cache_lib.host_name("train", host, hosts)),
                   num_examples, seed, start, per_host, dataset.augment,
@@ -264,7 +264,7 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
         dataset, mode, sharding, num_hosts, policy.planned, seed))
   return Inputs(
       plan={**plan_lib.input_plan(dataset, global_batch_size, seed,
-                            shuffle_buffer),
+                                  shuffle_buffer),
             "sharding": mode,
             "input_pipelines": num_hosts if mode == "file" else 1},
       name=dataset.name,

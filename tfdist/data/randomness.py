@@ -98,9 +98,10 @@ def draw(augment, *, seed, stream, start, apart=0):
   draws of hosts that augment slices of one stream differ by it."""
   if augment is None:
     return lambda position, example: example
-  if takes_seed(augment) and seed is None:
-    return lambda position, example: augment(*example, seed=_drawn_seed())
   if takes_seed(augment):
+    if seed is None:  # No place in a stream keys the draw.
+      return lambda position, example: augment(*example,
+                                               seed=_drawn_seed())
     return lambda position, example: augment(
         *example, seed=example_seed(seed, stream, position))
   graph_seed = None  # Drawn anew where it runs.

@@ -11,9 +11,10 @@ DYNAMIC hands its source's splits (elements, or files) to the data
 workers, so each example is parsed once. Each unit is read whole by one
 data worker and shuffled on its own, so units never mix: under
 round-robin reads, with S a multiple of the data workers and slices of
-equal size, an epoch's units end together. A resume starts the epoch the stream is in again: the
-stream then runs behind the step count (the lag, which the checkpoint
-keeps, so that a second resume finds the stream's own epoch).
+equal size, an epoch's units end together. A resume starts the epoch
+the stream is in again: the stream then runs behind the step count (the
+lag, which the checkpoint keeps, so that a second resume finds the
+stream's own epoch).
 """
 
 from absl import logging

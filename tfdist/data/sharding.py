@@ -40,11 +40,12 @@ def resolve_sharding(dataset, sharding, num_hosts, *, seed, streamed=False):
 def _fixed_left_out(dataset, num_hosts):
   """The share an epoch leaves out when each host keeps its files (a
   host's epoch is the shortest host's)."""
-  sizes = _host_sizes(dataset, num_hosts)
+  sizes = host_sizes(dataset, num_hosts)
   return 1 - num_hosts * min(sizes) / sum(sizes)
 
 
-def _host_sizes(dataset, num_hosts):
+def host_sizes(dataset, num_hosts):
+  """Examples in each host's own files (cached data, file sharding)."""
   return [dataset.train_files(num_hosts, host)[1]
           for host in range(num_hosts)]
 
@@ -53,7 +54,7 @@ def _check_fixed_files(dataset, num_hosts):
   """Cached data keeps each host's files for the whole run, and a host's
   epoch is as long as the shortest host's: a host with more examples
   samples each of them less often. Refused past MAX_LEFT_OUT."""
-  sizes = _host_sizes(dataset, num_hosts)
+  sizes = host_sizes(dataset, num_hosts)
   left_out = 1 - num_hosts * min(sizes) / sum(sizes)
   if left_out > MAX_LEFT_OUT:
     raise ConfigError(

@@ -79,13 +79,21 @@ def _graph_def(dataset, policy):
 _PYTHON_OPS = frozenset(("EagerPyFunc", "PyFunc", "PyFuncStateless"))
 
 
-def _graph_ops(dataset):
-  """The op types of a pipeline's graph, its functions' included; None
-  when it cannot be serialized (a generator, say)."""
+def _graph(dataset):
+  """A pipeline's GraphDef; None when it cannot be serialized (a
+  generator, say)."""
   try:
-    graph = tf.compat.v1.GraphDef.FromString(
+    return tf.compat.v1.GraphDef.FromString(
         _graph_def(dataset, _WARN).numpy())
   except (tf.errors.OpError, ValueError):
+    return None
+
+
+def _graph_ops(dataset):
+  """The op types of a pipeline's graph, its functions' included; None
+  when it cannot be serialized."""
+  graph = _graph(dataset)
+  if graph is None:
     return None
   ops = {node.op for node in graph.node}
   for function in graph.library.function:
@@ -290,10 +298,8 @@ def splits_by_source(dataset):
   skip, zip, enumerate, batch), which would act on each worker's splits
   apart. Transformations inside functions (an interleave's files) are
   not split."""
-  try:
-    graph = tf.compat.v1.GraphDef.FromString(
-        _graph_def(dataset, _WARN).numpy())
-  except (tf.errors.OpError, ValueError):
+  graph = _graph(dataset)
+  if graph is None:
     return False
   kinds = [node.op for node in graph.node
            if re.fullmatch(r"\w+Dataset(V\d+)?", node.op)]
