@@ -145,6 +145,23 @@ def test_a_resume_is_the_tail_of_the_uninterrupted_stream(dataset, hosts,
     assert resumed == whole[position:position + 150], position
 
 
+def test_remote_files_are_read_in_parallel_in_the_same_order(dataset):
+  """Local files are read one at a time and ram:// (remote, as gs://) in
+  parallel: the stream is the same, resumed or not."""
+  split = dataset.file_split
+  remote_paths = []
+  for number, path in enumerate(split.paths):
+    remote_paths.append(f"ram://tfdist-parallel/{number:02d}")
+    tf.io.gfile.copy(path, remote_paths[-1], overwrite=True)
+  remote = dataclasses.replace(split, paths=tuple(remote_paths))
+  assert remote.remote and not split.remote
+  for position in (0, 37):
+    streams = [_ids(order.records(s, seed=4, hosts=2, host=1,
+                                  position=position, window=16), 120)
+               for s in (split, remote)]
+    assert streams[0] == streams[1]
+
+
 def _interleaved(counts, skips):
   """Reading files in turn, one record each, as order._interleave does."""
   left = [list(range(s, c)) for c, s in zip(counts, skips)]

@@ -72,23 +72,29 @@ def build():
 
 # Writing the files.
 
-def _write_set(root, total_bytes):
+def write_records(path, count, rng):
+  """`count` random images and labels in one TFRecord file."""
   import numpy as np
   import tensorflow as tf
+  with tf.io.TFRecordWriter(path) as out:
+    for _ in range(count):
+      image = rng.randint(0, 256, IMAGE_BYTES, dtype=np.uint8)
+      out.write(tf.train.Example(features=tf.train.Features(feature={
+          "image": tf.train.Feature(bytes_list=tf.train.BytesList(
+              value=[image.tobytes()])),
+          "label": tf.train.Feature(int64_list=tf.train.Int64List(
+              value=[int(image[0]) % CLASSES]))})).SerializeToString())
+
+
+def _write_set(root, total_bytes):
+  import numpy as np
   per_file = max(1, total_bytes // IMAGE_BYTES // FILES)
   rng = np.random.RandomState(0)
   os.makedirs(root, exist_ok=True)
   for name, count, files in (("train", per_file, FILES),
                              ("eval", min(per_file, 512), 1)):
     for f in range(files):
-      with tf.io.TFRecordWriter(f"{root}/{name}-{f:05d}") as out:
-        for _ in range(count):
-          image = rng.randint(0, 256, IMAGE_BYTES, dtype=np.uint8)
-          out.write(tf.train.Example(features=tf.train.Features(feature={
-              "image": tf.train.Feature(bytes_list=tf.train.BytesList(
-                  value=[image.tobytes()])),
-              "label": tf.train.Feature(int64_list=tf.train.Int64List(
-                  value=[int(image[0]) % CLASSES]))})).SerializeToString())
+      write_records(f"{root}/{name}-{f:05d}", count, rng)
   with open(f"{root}/DONE", "w") as done:
     done.write(str(per_file))
 

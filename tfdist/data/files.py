@@ -94,6 +94,13 @@ class FileSplit:
   def num_examples(self):
     return sum(self.counts)
 
+  @property
+  def remote(self):
+    """Whether the files are on remote storage (gs://, s3://, hdfs://,
+    ram://...), where reads wait on the network and go in parallel."""
+    return any("://" in path and not path.startswith("file://")
+               for path in self.paths)
+
   def reader(self, path):
     return tf.data.TFRecordDataset(path, compression_type=self.compression)
 
