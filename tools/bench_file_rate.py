@@ -47,37 +47,10 @@ def _prepare(root, counts):
   bench_files._warm(root)  # pylint: disable=protected-access
 
 
-def hand_pipeline(root):
-  """The loop a TF engineer writes over these files."""
-  import tensorflow as tf
-  return tf.data.TFRecordDataset(
-      sorted(tf.io.gfile.glob(f"{root}/train-*")),
-      num_parallel_reads=tf.data.AUTOTUNE).repeat().shuffle(10_000).map(
-          bench_files.parse, num_parallel_calls=tf.data.AUTOTUNE).batch(
-              bench_files.BATCH, drop_remainder=True).prefetch(
-                  tf.data.AUTOTUNE)
-
-
-def _tfdist_pipeline(root):
-  import tensorflow as tf
-  from tfdist import data as data_lib
-  os.environ["BENCH_FILES"] = root
-  dataset = data_lib.file_dataset(bench_files.data(), "bench")
-  return data_lib.train_input_fn(
-      dataset, global_batch_size=bench_files.BATCH, seed=1, cache="off")(
-          tf.distribute.InputContext())
-
-
 def _input_rate(which, root, batches):
-  import time
-  pipeline = (_tfdist_pipeline if which == "tfdist" else hand_pipeline)(root)
-  iterator = iter(pipeline)
-  for _ in range(20):  # Fill buffers, start threads.
-    next(iterator)
-  start = time.perf_counter()
-  for _ in range(batches):
-    next(iterator)
-  return batches * bench_files.BATCH / (time.perf_counter() - start)
+  make = (bench_files.tfdist_pipeline if which == "tfdist"
+          else bench_files.hand_pipeline)
+  return bench_files.input_rate(make(root), batches)
 
 
 def _hand_train(root, steps):
@@ -88,7 +61,7 @@ def _hand_train(root, steps):
   strategy = tf.distribute.get_strategy()
   model = bench_files.build()
   optimizer = keras.optimizers.SGD(0.01)
-  iterator = iter(hand_pipeline(root))
+  iterator = iter(bench_files.hand_pipeline(root))
   loop = baseline.loop_function(strategy, model, optimizer,
                                 bench_files.BATCH)
   for done in range(LOOP, steps + 1, LOOP):
