@@ -15,10 +15,11 @@ FIRST_KERNEL = "optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE"
 _BOOKKEEPING = ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/")
 
 
-def model_weights(model_dir):
-  """{key: array} of every variable in the latest checkpoint: the model's
-  weights, the optimizer's slots and the step (not the save counter)."""
-  path = tf.train.latest_checkpoint(model_dir)
+def model_weights(model_dir, *, checkpoint=None):
+  """{key: array} of every variable in the latest checkpoint (or the one
+  given): the model's weights, the optimizer's slots and the step (not the
+  save counter)."""
+  path = checkpoint or tf.train.latest_checkpoint(model_dir)
   reader = tf.train.load_checkpoint(path)
   weights = {key: reader.get_tensor(key)
              for key in reader.get_variable_to_shape_map()

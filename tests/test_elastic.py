@@ -18,8 +18,9 @@ from conftest import run_launcher
 
 # A global batch of 48 divides by 2 and 3 workers, and tfdist's global
 # batch k is the same examples for any worker count: every membership
-# trains the weights one device would.
-COMMON = ["--steps_per_loop=5", "--log_every=5", "--eval_every=0",
+# trains the weights one device would (up to rounding, which a smooth model
+# does not amplify).
+COMMON = ["--model=tests.smooth_model:mlp_tanh", "--steps_per_loop=5", "--log_every=5", "--eval_every=0",
           "--batch_size=48", "--optimizer=sgd", "--learning_rate=0.05",
           "--checkpoint_every=10", "--noexport"]
 LAUNCH = ["--backoff_seconds=0.2", "--stop_grace_seconds=5",
@@ -32,15 +33,29 @@ def train_args(model_dir, data_dir, steps):
 
 
 def assert_one_device_weights(model_dir, tmp_path, data_dir, steps):
+  """The run's trainable weights are one device's, up to rounding. Replicas
+  sum in another order than one device, and a CPU with other vector units
+  rounds otherwise (AVX-512 moved a bias by 2.6e-6 after 150 steps), so the
+  bound is 2% of one step's move (norm over the trainable weights): a batch
+  skipped or repeated moves them by about a whole step's."""
   reference = tmp_path / "one_device"
   run_cli(*train_args(reference, data_dir, steps), "--strategy=default")
-  ours, theirs = (artifacts.model_weights(str(d))
-                  for d in (model_dir, reference))
-  trainable = [k for k in theirs if "_trainable_variables" in k]
-  assert trainable
-  for key in trainable:
-    np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5,
-                               atol=1e-6)
+  ours = _trainable(artifacts.model_weights(str(model_dir)))
+  theirs = _trainable(artifacts.model_weights(str(reference)))
+  earlier = _trainable(artifacts.model_weights(
+      str(reference), checkpoint=str(reference / f"ckpt-{steps - 10}")))
+  assert ours.keys() == theirs.keys() and theirs
+  one_step = _distance(theirs, earlier) / 10
+  assert _distance(ours, theirs) < 0.02 * one_step, (
+      _distance(ours, theirs), one_step)
+
+
+def _trainable(weights):
+  return {k: v for k, v in weights.items() if "_trainable_variables" in k}
+
+
+def _distance(a, b):
+  return float(np.sqrt(sum(np.sum(np.square(a[k] - b[k])) for k in a)))
 
 
 def _resumed_with(output, workers):

@@ -190,9 +190,9 @@ def test_elastic_job_follows_nodes_joining_and_leaving(netns, tmp_path,
     model_dir = tmp_path / "run"
     # Room for two changes (about 20 s each) before the last step: the
     # workers train at most about 4 steps/s (tests/paced_worker.py),
-    # however fast this CPU is. Few steps, though: over 250, rounding alone
-    # (3 replicas against one device) flipped a ReLU and moved weights 38
-    # times the one-device check's tolerance; over 150, 3% of it.
+    # however fast this CPU is. The model is smooth (test_elastic.COMMON):
+    # with the zoo's ReLU MLP, rounding alone (3 replicas against one
+    # device) flipped units and the run ended 3.6% of a step's move away.
     steps = 150
     run = _launch(netns, [f"--address={(control / 'address').read_text()}",
                           "--workers=2:3", "--max_restarts=0",
