@@ -29,6 +29,7 @@ Exit code: 0 when training finished, otherwise the failing task's code
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -109,10 +110,18 @@ class _Unreadable(Exception):
   """A flagfile this machine cannot read (it may exist on the hosts)."""
 
 
+def _long_form(arg):
+  """absl reads -name as --name (not a value such as -0.5)."""
+  return f"-{arg}" if re.match(r"-[A-Za-z_]", arg) else arg
+
+
 def _expanded(train_args, depth=0):
-  """The train flags with each --flagfile's lines in its place (absl
-  reads them so: later flags win)."""
-  for arg in train_args:
+  """The train flags in their --name form, with each --flagfile's lines
+  in its place (absl reads them so: later flags win), up to a lone `--`
+  (after which absl reads no flags)."""
+  for arg in map(_long_form, train_args):
+    if arg == "--":
+      return
     if arg.startswith("--flagfile=") and depth < 10:
       try:
         with open(arg.split("=", 1)[1]) as f:

@@ -154,6 +154,13 @@ def test_bad_elastic_flags_are_one_line(tmp_path):
       # absl's "--name value" form is read too (not the default 64).
       (["--workers=2:3"], ["--batch_size", "49"],
        "which 2, 3 worker(s) cannot split. Received: batch_size=49"),
+      # And its one-dash forms, in the flags and in a flagfile.
+      (["--workers=2:3"], ["-batch_size", "49"],
+       "which 2, 3 worker(s) cannot split. Received: batch_size=49"),
+      (["--workers=2:3"], [f"-flagfile={flagfile}", "-batch_size=64"],
+       "which 3 worker(s) cannot split. Received: batch_size=64"),
+      (["--workers=2:3"], [f"-flagfile={flagfile}"],
+       "which 2, 3 worker(s) cannot split. Received: batch_size=49"),
       (["--chief", "--workers=1:2"], batch64, "which 2 worker(s) and the "
        "chief cannot split. Received: batch_size=64"),
       (["--workers=1:2"], [*batch64, "--num_cpu_devices=3"], "which 1, 2 "

@@ -451,3 +451,22 @@ def test_sidecar_early_stopping_stops_the_workers(tmp_path, data_dir):
   assert "evaluator:0 | " in proc.stdout and (
       f"The sidecar evaluator stopped early at step {stopped_at}"
       in proc.stdout)
+
+
+def test_a_summed_variable_under_replicas_is_named_in_one_warning(
+    tmp_path, data_dir):
+  """Keras 3 assigns v + delta on every replica, and aggregation="sum"
+  adds the assigns: the count grows by the replica count times itself.
+  tfdist names the variable and says what to use; one replica is quiet."""
+  warnings = {}
+  for name, strategy in (("mirrored", MIRRORED),
+                         ("default", ["--strategy=default"])):
+    proc = run_cli(*_args(tmp_path / name, data_dir, "--train_steps=2",
+                          "--model=tests.summed_counter:build", *strategy))
+    warnings[name] = [l for l in proc.stderr.splitlines()
+                      if "aggregation=\"sum\"" in l]
+  assert len(warnings["mirrored"]) == 1, warnings
+  assert "examples_seen" in warnings["mirrored"][0]
+  assert "under 2 replicas" in warnings["mirrored"][0]
+  assert "only_first_replica" in warnings["mirrored"][0]
+  assert warnings["default"] == []

@@ -2,12 +2,16 @@
 global-batch invariant of the input pipeline, and the model zoo."""
 
 import os
+import subprocess
+import sys
+import tempfile
 import types
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import ROOT
 from conftest import process_alive
 from tfdist import models
 from tfdist import cluster
@@ -475,6 +479,42 @@ def test_a_best_checkpoint_removed_before_it_is_kept_is_written(tmp_path):
   assert tf.train.latest_checkpoint(os.path.dirname(kept)) == kept
 
 
+@pytest.mark.parametrize("killed", ["best.json", "checkpoint"])
+def test_a_kill_while_the_best_is_kept_leaves_one_best(tmp_path,
+                                                       monkeypatch, killed):
+  """keep_best writes best.json and the best's `checkpoint` index: a kill
+  at either write leaves a best whose state (its step) and checkpoint
+  agree, once the next run reads it back."""
+  from tfdist import checkpoints
+  from tfdist import storage
+  weights = tf.Variable([1.0])
+  model_dir = str(tmp_path)
+
+  def store():
+    return checkpoints.CheckpointStore(
+        objects={"weights": weights}, model_dir=model_dir,
+        write_dir=model_dir, keep=3,
+        signature={"model": "m", "num_classes": 1, "variables": {}})
+  first = store()
+  first.keep_best(first.save(10), {"step": 10})
+  later = first.save(20)
+  write_text = storage.write_text
+
+  def killed_at(path, text):
+    if path.endswith(f"/{killed}"):
+      raise KeyboardInterrupt  # The process ends here.
+    write_text(path, text)
+  monkeypatch.setattr(storage, "write_text", killed_at)
+  with pytest.raises(KeyboardInterrupt):
+    first.keep_best(later, {"step": 20})
+  monkeypatch.setattr(storage, "write_text", write_text)
+  state = store().read_best_state(mend=True)
+  best = tf.train.latest_checkpoint(f"{model_dir}/best_checkpoint")
+  assert best.endswith(f"ckpt-{state['step']}"), (best, state)
+  reading = tf.train.Checkpoint(weights=tf.Variable([0.0])).read(best)
+  reading.assert_existing_objects_matched()
+
+
 def test_optional_state_restores_when_the_checkpoint_holds_it(tmp_path):
   """The input's position (the served stream's lag) is saved with each
   checkpoint; a checkpoint written before it was kept still restores."""
@@ -655,3 +695,53 @@ def test_a_served_resume_starts_the_epoch_its_stream_is_in():
                                 train_pipeline=lambda: numbers)
   assert service_units.resume_point(split, trained=2100, lag=900) == (
       1, 1100)
+
+
+def test_preparing_digits_leaves_no_temporary_directory(tmp_path):
+  """tfds leaves an empty directory in TMPDIR for each dataset it has not
+  prepared yet; a fresh data_dir must not leave one each time."""
+  temp = tmp_path / "tmp"
+  temp.mkdir()
+  subprocess.run([sys.executable, "-c", "import sys; from tfdist import "
+                  "digits; digits.prepare(sys.argv[1])",
+                  str(tmp_path / "data")], cwd=ROOT, check=True,
+                 capture_output=True, env={**os.environ, "TMPDIR": str(temp)})
+  assert (tmp_path / "data").exists() and not list(temp.iterdir())
+
+
+def test_leftovers_names_what_the_tests_left_and_nothing_else():
+  """.ci/run's last check: a namespace or process of tfdist's that was
+  not there before is an error; one that was, or another program's, is
+  not; a temporary directory of ours is a warning."""
+  from tools import leftovers
+  before = {"namespaces": ["tfdist-1", "other"],
+            "processes": {"10": "python -m tfdist.train --a",
+                          "11": "/usr/sbin/cron"},
+            "temp": ["tfdist-worker1-old"]}
+  now = {"namespaces": ["tfdist-1", "other", "tfdist-2", "mine"],
+         "processes": {"10": "python -m tfdist.train --a",
+                       "11": "/usr/sbin/cron",
+                       "12": "python -m launch.local --workers=2",
+                       "13": "/usr/bin/editor notes",
+                       "14": "python tests/ray_nodes.py dir 2"},
+         "temp": ["tfdist-worker1-old", "tfdist-ray-task-x", "tmpab12tfds",
+                  "unrelated"]}
+  errors, warnings = leftovers.left_behind(before, now)
+  assert errors == ["network namespace tfdist-2",
+                    "process 12: python -m launch.local --workers=2",
+                    "process 14: python tests/ray_nodes.py dir 2"]
+  assert warnings == [f"temporary directory {tempfile.gettempdir()}/{name}"
+                      for name in ("tfdist-ray-task-x", "tmpab12tfds")]
+
+
+def test_the_chiefs_state_is_sent_in_chunks_of_one_dtype():
+  """ChiefBroadcast sends the state in runs of at most the limit's bytes
+  (a bigger variable alone), each of one dtype, in the same order on
+  every worker."""
+  from tfdist import replica_check
+  floats = [tf.Variable(tf.zeros([n], tf.float32)) for n in (10, 20, 5, 40)]
+  step = tf.Variable(0, dtype=tf.int64)
+  chunks = replica_check._chunks([floats[0], step, *floats[1:]], limit=120)  # pylint: disable=protected-access
+  sizes = [[v.shape[0] if v.shape.rank else "step" for v in chunk]
+           for chunk in chunks]
+  assert sizes == [[10, 20], [5], [40], ["step"]]

@@ -108,7 +108,24 @@ def build_model(config, task, sample):
   except Exception as e:  # Keras raises many types for mismatched inputs.
     raise ConfigError(f"the dataset's features do not fit the model "
                       f"{task.display_name!r}: {_first_line(e)}") from None
+  _warn_summed_variables(model, tf.distribute.get_strategy())
   return model
+
+
+def _warn_summed_variables(model, strategy):
+  """Keras 3 updates a variable as assign(v + delta): with
+  aggregation="sum" the replicas' assigns are summed, so the variable is
+  multiplied by the replica count at each update."""
+  replicas = strategy.num_replicas_in_sync
+  summed = [v.path for v in model.variables
+            if getattr(v, "aggregation", None) == "sum"]
+  if replicas > 1 and summed:
+    logging.warning(
+        "%s: aggregation=\"sum\" under %d replicas multiplies the value by "
+        "%d at each update (Keras assigns v + delta on every replica, and "
+        "the assigns are summed). For a count, use "
+        "aggregation=\"only_first_replica\" and add the global amount, or a "
+        "keras.metrics.Sum.", ", ".join(summed), replicas, replicas)
 
 
 def _synchronize_batchnorm(model):

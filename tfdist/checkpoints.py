@@ -17,6 +17,7 @@ SIGNATURE_FILE = "tfdist_model.json"
 RUN_FILE = "tfdist_run.json"
 BEST_DIR = "best_checkpoint"  # --best_metric: the best eval's checkpoint.
 BEST_FILE = "best.json"
+BEST_CHECKPOINT_KEY = "checkpoint"  # In best.json: the kept checkpoint.
 # A survivor's state after a lost peer (tfdist.survivor), one per task.
 SURVIVORS_DIR = "survivors"
 # What reading a truncated or corrupt checkpoint raises.
@@ -225,24 +226,29 @@ class CheckpointStore:
     in best.json: --keep_checkpoints never deletes it. The chief's copy
     only (other workers write nowhere shared).
 
-    The new checkpoint's files go in beside the old one's; then the
-    `checkpoint` index names it (one renamed file); only then do the old
-    files go. A kill at any point leaves the index naming a whole
-    checkpoint."""
+    The new checkpoint's files go in beside the old one's; then best.json,
+    which names the checkpoint with its state, is replaced (one renamed
+    file: the commit); then the `checkpoint` index follows it, and only
+    then do the old files go. A kill before the index is rewritten is
+    mended where the best is read back (read_best_state)."""
     if self._write_dir != self._model_dir:
       return None
     best_dir = storage.join(self._model_dir, BEST_DIR)
     tf.io.gfile.makedirs(best_dir)
     prefix = path.rsplit("/", 1)[-1]
     self._copy_or_write(path, best_dir)
-    storage.write_text(storage.join(best_dir, "checkpoint"),
-                       f'model_checkpoint_path: "{prefix}"\n'
-                       f'all_model_checkpoint_paths: "{prefix}"\n')
-    self._write_json(storage.join(BEST_DIR, BEST_FILE), state)
+    self._write_json(storage.join(BEST_DIR, BEST_FILE),
+                     {**state, BEST_CHECKPOINT_KEY: prefix})
+    self._write_best_index(prefix)
     for old in tf.io.gfile.glob(storage.join(best_dir, "ckpt-*")):
       if not old.rsplit("/", 1)[-1].startswith(f"{prefix}."):
         tf.io.gfile.remove(old)
     return storage.join(best_dir, prefix)
+
+  def _write_best_index(self, prefix):
+    storage.write_text(storage.join(self._model_dir, BEST_DIR, "checkpoint"),
+                       f'model_checkpoint_path: "{prefix}"\n'
+                       f'all_model_checkpoint_paths: "{prefix}"\n')
 
   def _copy_or_write(self, path, directory):
     """Copies checkpoint `path`'s files into `directory`; if the training
@@ -262,16 +268,28 @@ class CheckpointStore:
       self._checkpoint.write(storage.join(directory, prefix))
 
   def update_best_state(self, state):
-    """Rewrites best.json (the count of evals without improvement)."""
+    """Rewrites best.json (the count of evals without improvement),
+    naming the same checkpoint."""
     if self._write_dir != self._model_dir:
       return
-    name = storage.join(BEST_DIR, BEST_FILE)
-    if tf.io.gfile.exists(storage.join(self._model_dir, name)):
-      self._write_json(name, state)
+    kept = self._read_json(storage.join(BEST_DIR, BEST_FILE))
+    if kept is not None:
+      self._write_json(storage.join(BEST_DIR, BEST_FILE), {
+          **state, BEST_CHECKPOINT_KEY: kept.get(BEST_CHECKPOINT_KEY)})
 
-  def read_best_state(self):
-    """best.json of an earlier run here, or None."""
-    return self._read_json(storage.join(BEST_DIR, BEST_FILE))
+  def read_best_state(self, *, mend=False):
+    """best.json of an earlier run here, or None. `mend` (the keeper of
+    the best, as it starts: no one else writes it then): point the
+    `checkpoint` index at the checkpoint best.json names, if a kill came
+    between the two writes."""
+    state = self._read_json(storage.join(BEST_DIR, BEST_FILE))
+    prefix = (state or {}).get(BEST_CHECKPOINT_KEY)
+    best_dir = storage.join(self._model_dir, BEST_DIR)
+    if mend and prefix and self._write_dir == self._model_dir and (
+        tf.train.latest_checkpoint(best_dir) != storage.join(best_dir,
+                                                             prefix)):
+      self._write_best_index(prefix)
+    return state
 
   @property
   def run_record(self):

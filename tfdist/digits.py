@@ -12,6 +12,7 @@ import fcntl
 import gzip
 import io
 import os
+import tempfile
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -73,6 +74,19 @@ class Digits(tfds.core.GeneratorBasedBuilder):
       yield f"{split}-{index}", {"image": image, "label": int(label)}
 
 
+@contextlib.contextmanager
+def _temp_dirs_removed():
+  """tfds makes an empty temporary directory for the GCS metadata of a
+  dataset not prepared yet, and never removes it: one per fresh
+  data_dir. Temporary files made meanwhile go in one that is removed."""
+  with tempfile.TemporaryDirectory(prefix="tfdist-digits-") as scratch:
+    previous, tempfile.tempdir = tempfile.tempdir, scratch
+    try:
+      yield
+    finally:
+      tempfile.tempdir = previous
+
+
 def prepare(data_dir):
   """Prepares `digits` in `data_dir` (a no-op once done) and returns it.
 
@@ -82,7 +96,8 @@ def prepare(data_dir):
   os.makedirs(data_dir, exist_ok=True)
   with open(os.path.join(data_dir, ".digits.lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
-    builder = Digits(data_dir=data_dir)
+    with _temp_dirs_removed():
+      builder = Digits(data_dir=data_dir)
     # tfds prints "Downloading ..." to stdout; nothing is downloaded here.
     with contextlib.redirect_stdout(io.StringIO()):
       builder.download_and_prepare(

@@ -53,7 +53,7 @@ class BestKeeper:
     self._export_fn = export_fn
 
   def load(self):
-    self.tracker.load(self._checkpoints.read_best_state())
+    self.tracker.load(self._checkpoints.read_best_state(mend=True))
 
   def update(self, step, metrics, checkpoint_fn):
     """`checkpoint_fn()` gives this step's checkpoint, called only when

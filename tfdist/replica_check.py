@@ -6,6 +6,8 @@ differs from replica 0 is named. After a restore, ChiefBroadcast makes it
 so.
 """
 
+import functools
+
 import numpy as np
 import tensorflow as tf
 
@@ -74,49 +76,72 @@ class ChiefBroadcast:
   disk, the chief finds ckpt-100 in its model_dir while a worker finds
   none and starts at step 0. As Horovod and DDP do after a restore, the
   chief's state (weights, optimizer slots, step) is sent to every worker,
-  so that none trains on a state of its own. One SUM all-reduce in which
-  every replica but replica 0 contributes zeros.
+  so that none trains on a state of its own: SUM all-reduces in which
+  every replica but replica 0 contributes zeros, one chunk of at most
+  CHUNK_BYTES after the other. One all-reduce of the whole state packed
+  it into one buffer: with Adam, about 3 to 4 copies of the state alive
+  at once on each worker (tools/bench_replica_memory).
   """
+
+  CHUNK_BYTES = 64 << 20
 
   def __init__(self, *, strategy, variables, then=None):
     self._strategy = strategy
     self._variables = list(variables)
-    self._broadcast = tf.function(self._reduced_values)
+    self._chunks = _chunks(self._variables, self.CHUNK_BYTES)
+    self._broadcasts = [
+        tf.function(functools.partial(self._reduced_values, chunk))
+        for chunk in self._chunks]
     # A collective of the same kind for state that is no variable here,
     # called with whether this worker's state differed: the whole slots
     # a sharded optimizer restored (share_restored).
     self._then = then
 
-  def _from_replica_zero(self):
+  def _from_replica_zero(self, chunk):
     context = tf.distribute.get_replica_context()
     is_source = tf.equal(context.replica_id_in_sync_group, 0)
-    values = [read_value(v) for v in self._variables]
-    contributed = [tf.where(is_source, value, tf.zeros_like(value))
-                   for value in values]
-    # One all-reduce per dtype: packed reductions take one dtype.
-    reduced = [None] * len(values)
-    for dtype in {value.dtype for value in values}:
-      indices = [i for i, value in enumerate(values) if value.dtype == dtype]
-      sums = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                [contributed[i] for i in indices])
-      for i, total in zip(indices, sums):
-        reduced[i] = total
-    return reduced
+    values = [read_value(v) for v in chunk]
+    return context.all_reduce(
+        tf.distribute.ReduceOp.SUM,
+        [tf.where(is_source, value, tf.zeros_like(value))
+         for value in values])
 
-  def _reduced_values(self):
-    return self._strategy.run(self._from_replica_zero)
+  def _reduced_values(self, chunk):
+    return self._strategy.run(functools.partial(self._from_replica_zero,
+                                                chunk))
 
   def run(self):
     """Assigns the chief's values here; returns the variables' paths that
     differed from this worker's own."""
-    reduced = self._broadcast()
     changed = []
-    for variable, value in zip(self._variables, reduced):
-      local = self._strategy.experimental_local_results(value)[0]
-      if not np.array_equal(np.asarray(variable.numpy()), local.numpy(),
-                            equal_nan=True):
-        changed.append(_name(variable))
-        variable.assign(local)
+    # Chunk after chunk, in the same order on every worker: each call's
+    # collectives end before the next call's begin.
+    for chunk, broadcast in zip(self._chunks, self._broadcasts):
+      for variable, value in zip(chunk, broadcast()):
+        local = self._strategy.experimental_local_results(value)[0]
+        if not np.array_equal(np.asarray(variable.numpy()), local.numpy(),
+                              equal_nan=True):
+          changed.append(_name(variable))
+          variable.assign(local)
     if self._then:
       self._then(bool(changed))
     return changed
+
+
+def _chunks(variables, limit):
+  """`variables` in runs of one dtype (packed reductions take one) of at
+  most `limit` bytes each (a bigger variable alone), in a fixed order."""
+  chunks = []
+  dtypes = [tf.as_dtype(v.dtype) for v in variables]  # Keras: a name.
+  for dtype in sorted(set(dtypes), key=lambda d: d.name):
+    chunk, size = [], 0
+    for variable in (v for v, d in zip(variables, dtypes) if d == dtype):
+      nbytes = int(np.prod(tuple(variable.shape))) * dtype.size
+      if chunk and size + nbytes > limit:
+        chunks.append(chunk)
+        chunk, size = [], 0
+      chunk.append(variable)
+      size += nbytes
+    if chunk:
+      chunks.append(chunk)
+  return chunks

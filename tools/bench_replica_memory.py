@@ -1,0 +1,190 @@
+"""Where a replica's memory goes: peak RSS of each process of a training
+run, against the default strategy's, on a model of ~100M parameters.
+
+python -m tools.bench_replica_memory [--rounds=1] [--steps=6]
+    [--configs=default,mwms,mwms_shard] [--timeline]
+
+A user's 12-layer MLP (`mlp_100m`, 12 x 2,900 x 2,900 float32 weights,
+Adam: 1.6 GB of training state) trains `--steps` steps at batch 8 on
+digits, in a fresh model_dir, as:
+- default: `python -m tfdist.train --strategy=default`, one process;
+- mwms: 2 MultiWorkerMirrored workers (`python -m launch.local
+  --workers=2 --isolate=off`);
+- mwms_shard: the same with --shard_optimizer.
+Each is run again with a tiny model (`mlp_tiny`), and the growth is the
+difference of peak RSS (VmHWM, read from /proc every 0.1 s while the
+process lives): what the model costs, not TensorFlow's own start-up.
+Prints each process's growth and its ratio to the default strategy's.
+`--timeline`: also prints, for the first worker, its RSS at each log line
+(where the memory is taken).
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_STARTED = re.compile(r"^\[launch\] started (worker:\d) pid=(\d+)")
+WIDTH, DEPTH = 2900, 12
+
+
+def mlp_100m():
+  """The user's model: 12 dense layers of 2,900 units (~101M weights)."""
+  import keras
+  return keras.Sequential(
+      [keras.Input((8, 8, 1)), keras.layers.Flatten()]
+      + [keras.layers.Dense(WIDTH, activation="relu") for _ in range(DEPTH)]
+      + [keras.layers.Dense(10)], name="mlp_100m")
+
+
+def mlp_tiny():
+  import keras
+  return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                           keras.layers.Dense(16, activation="relu"),
+                           keras.layers.Dense(10)], name="mlp_tiny")
+
+
+def _rss(pid, field):
+  """VmHWM or VmRSS of `pid` in MB, or None once it is gone."""
+  try:
+    with open(f"/proc/{pid}/status") as status:
+      for line in status:
+        if line.startswith(f"{field}:"):
+          return int(line.split()[1]) / 1024
+  except OSError:
+    return None
+  return None
+
+
+class _Watch:
+  """Follows the peak RSS of every pid it is told about, and (for the
+  first) the RSS at each line of the run's output."""
+
+  def __init__(self):
+    self.peaks, self.timeline, self._pids = {}, [], {}
+    self._done = False
+    self._thread = threading.Thread(target=self._poll, daemon=True)
+    self._thread.start()
+
+  def add(self, name, pid):
+    self._pids[name] = pid
+
+  def line(self, text):
+    first = min(self._pids) if self._pids else None
+    if first is not None:
+      rss = _rss(self._pids[first], "VmRSS")
+      if rss is not None:
+        self.timeline.append((rss, text.rstrip()[:100]))
+
+  def _poll(self):
+    while not self._done:
+      for name, pid in list(self._pids.items()):
+        peak = _rss(pid, "VmHWM")
+        if peak is not None:
+          self.peaks[name] = max(self.peaks.get(name, 0), peak)
+      time.sleep(0.1)
+
+  def stop(self):
+    self._done = True
+    self._thread.join()
+
+
+def _command(config, model, model_dir, data_dir, steps):
+  train = [f"--model=tools.bench_replica_memory:{model}",
+           f"--model_dir={model_dir}", f"--data_dir={data_dir}",
+           "--optimizer=adam", "--batch_size=8", f"--train_steps={steps}",
+           "--steps_per_loop=1", "--log_every=1", "--eval_every=0",
+           "--noexport", "--checkpoint_every=0"]
+  if config == "default":
+    return [sys.executable, "-m", "tfdist.train", *train,
+            "--strategy=default"]
+  extra = ["--shard_optimizer"] if config == "mwms_shard" else []
+  return [sys.executable, "-m", "launch.local", "--workers=2",
+          "--isolate=off", "--", *train, "--strategy=multi_worker_mirrored",
+          *extra]
+
+
+def _run(config, model, root, data_dir, steps):
+  """{process: peak MB}, and the first process's timeline."""
+  model_dir = tempfile.mkdtemp(dir=root)
+  watch = _Watch()
+  proc = subprocess.Popen(_command(config, model, model_dir, data_dir, steps),
+                          cwd=_ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  if config == "default":
+    watch.add("process", proc.pid)
+  tail = []
+  for line in proc.stdout:
+    tail = (tail + [line])[-40:]
+    started = _STARTED.match(line)
+    if started:
+      watch.add(started.group(1), int(started.group(2)))
+    watch.line(line)
+  code = proc.wait()
+  watch.stop()
+  if code:
+    raise RuntimeError(f"{config} {model} exited {code}:\n" + "".join(tail))
+  return watch.peaks, watch.timeline
+
+
+def _round(args, root, data_dir):
+  growth, timelines = {}, {}
+  for config in args.configs:
+    big, timeline = _run(config, "mlp_100m", root, data_dir, args.steps)
+    tiny, _ = _run(config, "mlp_tiny", root, data_dir, args.steps)
+    growth[config] = {name: big[name] - tiny.get(name, 0) for name in big}
+    timelines[config] = timeline
+  return growth, timelines
+
+
+def _print_timeline(config, timeline):
+  print(f"\n{config}: RSS (MB) of the first process at each output line")
+  last = None
+  for rss, text in timeline:
+    if last is None or abs(rss - last) > 50:
+      print(f"  {rss:8.0f}  {text}")
+      last = rss
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rounds", type=int, default=1)
+  parser.add_argument("--steps", type=int, default=6)
+  parser.add_argument("--configs", default="default,mwms,mwms_shard")
+  parser.add_argument("--timeline", action="store_true")
+  args = parser.parse_args()
+  args.configs = args.configs.split(",")
+  rounds = []
+  with tempfile.TemporaryDirectory(prefix="tfdist-bench-memory-") as root:
+    data_dir = os.path.join(root, "data")
+    subprocess.run([sys.executable, "-c", "import sys; from tfdist import "
+                    "digits; digits.prepare(sys.argv[1])", data_dir],
+                   cwd=_ROOT, check=True, capture_output=True)
+    for number in range(args.rounds):
+      growth, timelines = _round(args, root, data_dir)
+      rounds.append(growth)
+      print(f"round {number + 1}: " + "; ".join(
+          f"{c}: " + ", ".join(f"{n} +{mb:.0f} MB" for n, mb in sorted(g.items()))
+          for c, g in growth.items()), flush=True)
+      if args.timeline:
+        for config, timeline in timelines.items():
+          _print_timeline(config, timeline)
+  base = statistics.median(r["default"]["process"] for r in rounds) if (
+      "default" in args.configs) else None
+  print("\nmedian peak RSS growth per process (100M model minus tiny):")
+  for config in args.configs:
+    worst = [max(r[config].values()) for r in rounds]
+    median = statistics.median(worst)
+    ratio = f" ({median / base:.2f}x the default strategy)" if base else ""
+    print(f"  {config:11s} +{median:.0f} MB [{min(worst):.0f}-"
+          f"{max(worst):.0f}]{ratio}")
+
+
+if __name__ == "__main__":
+  main()
