@@ -29,13 +29,14 @@ Exit code: 0 when training finished, otherwise the failing task's code
 
 import argparse
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+from absl import flags
 
 from . import description
 from . import processes
@@ -110,45 +111,25 @@ class _Unreadable(Exception):
   """A flagfile this machine cannot read (it may exist on the hosts)."""
 
 
-def _long_form(arg):
-  """absl reads -name as --name (not a value such as -0.5)."""
-  return f"-{arg}" if re.match(r"-[A-Za-z_]", arg) else arg
-
-
-def _expanded(train_args, depth=0):
-  """The train flags in their --name form, with each --flagfile's lines
-  in its place (absl reads them so: later flags win), up to a lone `--`
-  (after which absl reads no flags)."""
-  for arg in map(_long_form, train_args):
-    if arg == "--":
-      return
-    if arg.startswith("--flagfile=") and depth < 10:
-      try:
-        with open(arg.split("=", 1)[1]) as f:
-          lines = [line.strip() for line in f]
-      except OSError:
-        raise _Unreadable() from None
-      yield from _expanded(lines, depth + 1)
-    else:
-      yield arg
-
-
 _OPTION_DEFAULT = object()
 
 
 def _train_flag(train_args, name, default=_OPTION_DEFAULT):
-  """The value tfdist.train takes for --`name`: the last one given, in
-  the flags or a flagfile, else `default` (the option's own by default).
+  """The value tfdist.train takes for --`name` (a string): absl reads the
+  train flags as the task will (every form: -name, --name value,
+  flagfiles, a lone `--`); else `default` (the option's own by default).
   _Unreadable when a flagfile cannot be read here."""
-  value = (tfdist_options.BY_NAME[name].default
-           if default is _OPTION_DEFAULT else default)
-  args = list(_expanded(train_args))
-  for arg, following in zip(args, args[1:] + [None]):
-    if arg.startswith(f"--{name}="):
-      value = arg.split("=", 1)[1]
-    elif arg == f"--{name}" and following is not None:
-      value = following  # absl takes "--name value" too.
-  return value
+  if default is _OPTION_DEFAULT:
+    default = tfdist_options.BY_NAME[name].default
+  values = flags.FlagValues()
+  flags.DEFINE_string(name, None, "", flag_values=values)
+  try:
+    values(["train", *train_args], known_only=True)
+  except flags.CantOpenFlagFileError:
+    raise _Unreadable() from None
+  except flags.Error:
+    return default  # The task itself reports its bad flag.
+  return values[name].value if values[name].present else default
 
 
 def given_train_flag(train_args, name):

@@ -159,7 +159,7 @@ def test_bad_elastic_flags_are_one_line(tmp_path):
        "which 2, 3 worker(s) cannot split. Received: batch_size=49"),
       (["--workers=2:3"], [f"-flagfile={flagfile}", "-batch_size=64"],
        "which 3 worker(s) cannot split. Received: batch_size=64"),
-      (["--workers=2:3"], [f"-flagfile={flagfile}"],
+      (["--workers=2:3"], ["-flagfile", str(flagfile)],
        "which 2, 3 worker(s) cannot split. Received: batch_size=49"),
       (["--chief", "--workers=1:2"], batch64, "which 2 worker(s) and the "
        "chief cannot split. Received: batch_size=64"),

@@ -710,38 +710,58 @@ def test_preparing_digits_leaves_no_temporary_directory(tmp_path):
 
 
 def test_leftovers_names_what_the_tests_left_and_nothing_else():
-  """.ci/run's last check: a namespace or process of tfdist's that was
-  not there before is an error; one that was, or another program's, is
-  not; a temporary directory of ours is a warning."""
+  """.ci/run's last check: a tfdist namespace, or a process of the run
+  (one that inherited the run's mark), that was not there before is an
+  error; one that was, or the check's own, is not; a temporary directory
+  of ours is a warning."""
   from tools import leftovers
   before = {"namespaces": ["tfdist-1", "other"],
-            "processes": {"10": "python -m tfdist.train --a",
-                          "11": "/usr/sbin/cron"},
+            "processes": {"10": "python -m tfdist.train --a"},
             "temp": ["tfdist-worker1-old"]}
   now = {"namespaces": ["tfdist-1", "other", "tfdist-2", "mine"],
          "processes": {"10": "python -m tfdist.train --a",
-                       "11": "/usr/sbin/cron",
                        "12": "python -m launch.local --workers=2",
-                       "13": "/usr/bin/editor notes",
+                       "13": "python -m tools.leftovers check f",
                        "14": "python tests/ray_nodes.py dir 2"},
          "temp": ["tfdist-worker1-old", "tfdist-ray-task-x", "tmpab12tfds",
                   "unrelated"]}
-  errors, warnings = leftovers.left_behind(before, now)
+  errors, warnings = leftovers.left_behind(before, now, mine={"13"})
   assert errors == ["network namespace tfdist-2",
                     "process 12: python -m launch.local --workers=2",
                     "process 14: python tests/ray_nodes.py dir 2"]
   assert warnings == [f"temporary directory {tempfile.gettempdir()}/{name}"
                       for name in ("tfdist-ray-task-x", "tmpab12tfds")]
+  # Only processes that inherited the mark are the run's.
+  marked = subprocess.Popen(["sleep", "30"],
+                            env={**os.environ, leftovers.MARK: "probe-1"})
+  unmarked = subprocess.Popen(["sleep", "30"])
+  try:
+    assert str(marked.pid) in leftovers.snapshot("probe-1")["processes"]
+    assert str(unmarked.pid) not in leftovers.snapshot("probe-1")[
+        "processes"]
+  finally:
+    for proc in (marked, unmarked):
+      proc.kill()
+      proc.wait()
 
 
-def test_the_chiefs_state_is_sent_in_chunks_of_one_dtype():
-  """ChiefBroadcast sends the state in runs of at most the limit's bytes
-  (a bigger variable alone), each of one dtype, in the same order on
-  every worker."""
+@pytest.mark.parametrize("piece_bytes", [12, 40, 1 << 20])
+def test_the_chiefs_state_goes_in_pieces_and_back_whole(two_cpu_strategy,
+                                                        piece_bytes):
+  """ChiefBroadcast sends the state in pieces of at most PIECE_BYTES (a
+  variable over several, several in one), one dtype at a time: every
+  value comes back to its own place. Mirrored replicas hold the same
+  values, so nothing differs and nothing changes."""
   from tfdist import replica_check
-  floats = [tf.Variable(tf.zeros([n], tf.float32)) for n in (10, 20, 5, 40)]
-  step = tf.Variable(0, dtype=tf.int64)
-  chunks = replica_check._chunks([floats[0], step, *floats[1:]], limit=120)  # pylint: disable=protected-access
-  sizes = [[v.shape[0] if v.shape.rank else "step" for v in chunk]
-           for chunk in chunks]
-  assert sizes == [[10, 20], [5], [40], ["step"]]
+  with two_cpu_strategy.scope():
+    state = [tf.Variable(tf.reshape(tf.range(n, dtype=tf.float32) + n,
+                                    [n // 2, 2])) for n in (2, 10, 6, 40)]
+    state += [tf.Variable(7, dtype=tf.int64), tf.Variable([1.5],
+                                                          tf.float64)]
+  expected = [v.numpy().copy() for v in state]
+  broadcast = replica_check.ChiefBroadcast(strategy=two_cpu_strategy,
+                                           variables=state)
+  broadcast.PIECE_BYTES = piece_bytes
+  assert broadcast.run() == []
+  for variable, values in zip(state, expected):
+    np.testing.assert_array_equal(variable.numpy(), values)

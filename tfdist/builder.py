@@ -117,8 +117,10 @@ def _warn_summed_variables(model, strategy):
   aggregation="sum" the replicas' assigns are summed, so the variable is
   multiplied by the replica count at each update."""
   replicas = strategy.num_replicas_in_sync
+  # An on-read variable (a metric's) keeps a copy per replica: correct.
   summed = [v.path for v in model.variables
-            if getattr(v, "aggregation", None) == "sum"]
+            if getattr(v, "aggregation", None) == "sum"
+            and getattr(v, "synchronization", None) != "on_read"]
   if replicas > 1 and summed:
     logging.warning(
         "%s: aggregation=\"sum\" under %d replicas multiplies the value by "

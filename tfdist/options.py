@@ -169,7 +169,8 @@ OPTIONS = (
        "the cache.", "task"),
     _o("shuffle_buffer", 10_000, "Examples shuffled together: a shuffle "
        "buffer, or for data streamed from files a window of records "
-       "(held serialized, after the file order is shuffled each epoch).",
+       "(held serialized, after the file order is shuffled each epoch; "
+       "the next window is read meanwhile: two in memory).",
        "task", above=0),
     _o("data_service", "", "grpc://HOST:PORT of a tf.data service "
        "dispatcher: the train pipeline, up to and including batching, runs "

@@ -77,71 +77,85 @@ class ChiefBroadcast:
   none and starts at step 0. As Horovod and DDP do after a restore, the
   chief's state (weights, optimizer slots, step) is sent to every worker,
   so that none trains on a state of its own: SUM all-reduces in which
-  every replica but replica 0 contributes zeros, one chunk of at most
-  CHUNK_BYTES after the other. One all-reduce of the whole state packed
-  it into one buffer: with Adam, about 3 to 4 copies of the state alive
-  at once on each worker (tools/bench_replica_memory).
+  every replica but replica 0 contributes zeros.
+
+  The state goes in pieces of at most PIECE_BYTES, through one traced
+  all-reduce per dtype called again for each piece. One all-reduce of the
+  whole state held about four copies of it at once; one function per
+  chunk still left each worker but the chief holding about half of every
+  chunk sent, since TF keeps memory per collective instance
+  (tools/bench_replica_memory). A variable bigger than a piece spans
+  several; it is held twice here while it is compared.
   """
 
-  CHUNK_BYTES = 64 << 20
+  PIECE_BYTES = 64 << 20
 
   def __init__(self, *, strategy, variables, then=None):
     self._strategy = strategy
-    self._variables = list(variables)
-    self._chunks = _chunks(self._variables, self.CHUNK_BYTES)
-    self._broadcasts = [
-        tf.function(functools.partial(self._reduced_values, chunk))
-        for chunk in self._chunks]
+    self._groups = _by_dtype(list(variables))
+    self._send = tf.function(self._reduced_piece)
     # A collective of the same kind for state that is no variable here,
     # called with whether this worker's state differed: the whole slots
     # a sharded optimizer restored (share_restored).
     self._then = then
 
-  def _from_replica_zero(self, chunk):
-    context = tf.distribute.get_replica_context()
-    is_source = tf.equal(context.replica_id_in_sync_group, 0)
-    values = [read_value(v) for v in chunk]
-    return context.all_reduce(
-        tf.distribute.ReduceOp.SUM,
-        [tf.where(is_source, value, tf.zeros_like(value))
-         for value in values])
-
-  def _reduced_values(self, chunk):
-    return self._strategy.run(functools.partial(self._from_replica_zero,
-                                                chunk))
+  def _reduced_piece(self, piece):
+    def from_replica_zero():
+      context = tf.distribute.get_replica_context()
+      is_source = tf.equal(context.replica_id_in_sync_group, 0)
+      return context.all_reduce(
+          tf.distribute.ReduceOp.SUM,
+          tf.where(is_source, piece, tf.zeros_like(piece)))
+    reduced = self._strategy.run(from_replica_zero)
+    return self._strategy.experimental_local_results(reduced)[0]
 
   def run(self):
     """Assigns the chief's values here; returns the variables' paths that
     differed from this worker's own."""
     changed = []
-    # Chunk after chunk, in the same order on every worker: each call's
-    # collectives end before the next call's begin.
-    for chunk, broadcast in zip(self._chunks, self._broadcasts):
-      for variable, value in zip(chunk, broadcast()):
-        local = self._strategy.experimental_local_results(value)[0]
-        if not np.array_equal(np.asarray(variable.numpy()), local.numpy(),
-                              equal_nan=True):
+    # Dtype after dtype and piece after piece, in the same order on every
+    # worker: each call's collective ends before the next one begins.
+    for dtype, variables in self._groups:
+      for variable, chiefs in self._received(dtype, variables):
+        own = np.asarray(variable.numpy())
+        chiefs = chiefs.reshape(own.shape)
+        if not np.array_equal(own, chiefs, equal_nan=True):
           changed.append(_name(variable))
-          variable.assign(local)
+          variable.assign(chiefs)
     if self._then:
       self._then(bool(changed))
     return changed
 
+  def _received(self, dtype, variables):
+    """(variable, the chief's values flat), as the pieces come back."""
+    sizes = [int(np.prod(tuple(v.shape))) for v in variables]
+    length = max(1, min(self.PIECE_BYTES // dtype.size, sum(sizes)))
+    piece = np.zeros([length], dtype.as_numpy_dtype)
+    spans, fill, received, missing = [], 0, {}, list(sizes)
+    for index, variable in enumerate(variables):
+      flat = np.asarray(variable.numpy()).reshape([-1])
+      received[index] = np.empty_like(flat)
+      start = 0
+      while start < flat.size or (index == len(variables) - 1 and fill):
+        count = min(length - fill, flat.size - start)
+        piece[fill:fill + count] = flat[start:start + count]
+        spans.append((index, start, count, fill))
+        fill, start = fill + count, start + count
+        if fill == length or (start == flat.size
+                              and index == len(variables) - 1):
+          piece[fill:] = 0
+          chiefs = self._send(tf.constant(piece)).numpy()
+          for at, first, size, offset in spans:
+            received[at][first:first + size] = chiefs[offset:offset + size]
+            missing[at] -= size
+          spans, fill = [], 0
+          for at in sorted(i for i in received if not missing[i]):
+            yield variables[at], received.pop(at)
 
-def _chunks(variables, limit):
-  """`variables` in runs of one dtype (packed reductions take one) of at
-  most `limit` bytes each (a bigger variable alone), in a fixed order."""
-  chunks = []
+
+def _by_dtype(variables):
+  """[(dtype, variables of it)], in a fixed order (packed reductions take
+  one dtype)."""
   dtypes = [tf.as_dtype(v.dtype) for v in variables]  # Keras: a name.
-  for dtype in sorted(set(dtypes), key=lambda d: d.name):
-    chunk, size = [], 0
-    for variable in (v for v, d in zip(variables, dtypes) if d == dtype):
-      nbytes = int(np.prod(tuple(variable.shape))) * dtype.size
-      if chunk and size + nbytes > limit:
-        chunks.append(chunk)
-        chunk, size = [], 0
-      chunk.append(variable)
-      size += nbytes
-    if chunk:
-      chunks.append(chunk)
-  return chunks
+  return [(dtype, [v for v, d in zip(variables, dtypes) if d == dtype])
+          for dtype in sorted(set(dtypes), key=lambda d: d.name)]

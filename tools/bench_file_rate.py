@@ -37,13 +37,14 @@ LOOP = 32  # Steps per tf.function call, both contenders.
 
 def _prepare(root, counts):
   import numpy as np
-  if not os.path.exists(f"{root}/DONE"):
+  done = f"{root}/DONE-{'-'.join(map(str, counts))}"  # Sizes changed: anew.
+  if not os.path.exists(done):
     os.makedirs(root, exist_ok=True)
     rng = np.random.RandomState(len(counts))
     for number, count in enumerate(counts):
       bench_files.write_records(f"{root}/train-{number:05d}", count, rng)
     bench_files.write_records(f"{root}/eval-00000", 256, rng)
-    open(f"{root}/DONE", "w").close()
+    open(done, "w").close()
   bench_files._warm(root)  # pylint: disable=protected-access
 
 
@@ -85,7 +86,7 @@ def _self(*flags):
   return float(out.split()[-1])
 
 
-def _train_rates(root, steps, work):
+def _train_rates(root, steps, work, order):
   tfdist_argv = [
       sys.executable, "-m", "tfdist.train", "--model=tools.bench_files:build",
       "--dataset=tools.bench_files:data", f"--batch_size={bench_files.BATCH}",
@@ -96,8 +97,9 @@ def _train_rates(root, steps, work):
   hand_argv = [sys.executable, "-m", "tools.bench_file_rate",
                f"--measure=hand_train:{root}", f"--train_steps={steps}"]
   env = {"BENCH_FILES": root}
-  return {name: bench_cli.steps_per_second(argv, env)
-          for name, argv in (("tfdist", tfdist_argv), ("hand", hand_argv))}
+  argvs = {"tfdist": tfdist_argv, "hand": hand_argv}
+  return {name: bench_cli.steps_per_second(argvs[name], env)
+          for name in order}
 
 
 def _round(number, args, work):
@@ -110,7 +112,7 @@ def _round(number, args, work):
              for which in order}
     figures[f"{name}_input"] = rates["tfdist"] / rates["hand"]
     figures[f"{name}_hand_img_s"] = rates["hand"]
-    train = _train_rates(root, args.train_steps, work)
+    train = _train_rates(root, args.train_steps, work, order)
     figures[f"{name}_train"] = train["tfdist"] / train["hand"]
     figures[f"{name}_hand_steps_s"] = train["hand"]
   return figures
@@ -129,18 +131,17 @@ def main():
     return
   for name, counts in SETS.items():
     _prepare(f"{args.dir}/{name}", counts)
-  work = tempfile.mkdtemp(prefix="tfdist-bench-rate-")
   rounds = []
-  for number in range(args.rounds):
-    rounds.append(_round(number, args, work))
-    print(f"round {number + 1}: " + ", ".join(
-        f"{k}={v:.3f}" for k, v in rounds[-1].items()), flush=True)
+  with tempfile.TemporaryDirectory(prefix="tfdist-bench-rate-") as work:
+    for number in range(args.rounds):
+      rounds.append(_round(number, args, work))
+      print(f"round {number + 1}: " + ", ".join(
+          f"{k}={v:.3f}" for k, v in rounds[-1].items()), flush=True)
   print("median [min-max] over", args.rounds, "rounds:")
   for key in rounds[0]:
     values = [r[key] for r in rounds]
     print(f"  {key:22s} {statistics.median(values):.3f} "
           f"[{min(values):.3f}-{max(values):.3f}]")
-  subprocess.run(["rm", "-rf", work], check=False)
 
 
 if __name__ == "__main__":

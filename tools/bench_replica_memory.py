@@ -15,8 +15,8 @@ Each is run again with a tiny model (`mlp_tiny`), and the growth is the
 difference of peak RSS (VmHWM, read from /proc every 0.1 s while the
 process lives): what the model costs, not TensorFlow's own start-up.
 Prints each process's growth and its ratio to the default strategy's.
-`--timeline`: also prints, for the first worker, its RSS at each log line
-(where the memory is taken).
+`--timeline`: also prints the RSS of the process that peaked highest at
+each line of the run's output (where the memory is taken).
 """
 
 import argparse
@@ -76,11 +76,8 @@ class _Watch:
     self._pids[name] = pid
 
   def line(self, text):
-    first = min(self._pids) if self._pids else None
-    if first is not None:
-      rss = _rss(self._pids[first], "VmRSS")
-      if rss is not None:
-        self.timeline.append((rss, text.rstrip()[:100]))
+    rss = {name: _rss(pid, "VmRSS") for name, pid in self._pids.items()}
+    self.timeline.append((rss, text.rstrip()[:100]))
 
   def _poll(self):
     while not self._done:
@@ -95,12 +92,12 @@ class _Watch:
     self._thread.join()
 
 
-def _command(config, model, model_dir, data_dir, steps):
+def _command(config, model, model_dir, data_dir, steps, extra_flags=()):
   train = [f"--model=tools.bench_replica_memory:{model}",
            f"--model_dir={model_dir}", f"--data_dir={data_dir}",
            "--optimizer=adam", "--batch_size=8", f"--train_steps={steps}",
            "--steps_per_loop=1", "--log_every=1", "--eval_every=0",
-           "--noexport", "--checkpoint_every=0"]
+           "--noexport", "--checkpoint_every=0", *extra_flags]
   if config == "default":
     return [sys.executable, "-m", "tfdist.train", *train,
             "--strategy=default"]
@@ -110,11 +107,12 @@ def _command(config, model, model_dir, data_dir, steps):
           *extra]
 
 
-def _run(config, model, root, data_dir, steps):
+def _run(config, model, root, data_dir, steps, extra_flags=()):
   """{process: peak MB}, and the first process's timeline."""
   model_dir = tempfile.mkdtemp(dir=root)
   watch = _Watch()
-  proc = subprocess.Popen(_command(config, model, model_dir, data_dir, steps),
+  proc = subprocess.Popen(_command(config, model, model_dir, data_dir, steps,
+                                   extra_flags),
                           cwd=_ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   if config == "default":
@@ -136,20 +134,26 @@ def _run(config, model, root, data_dir, steps):
 def _round(args, root, data_dir):
   growth, timelines = {}, {}
   for config in args.configs:
-    big, timeline = _run(config, "mlp_100m", root, data_dir, args.steps)
-    tiny, _ = _run(config, "mlp_tiny", root, data_dir, args.steps)
+    big, timeline = _run(config, "mlp_100m", root, data_dir, args.steps,
+                         args.flags)
+    tiny, _ = _run(config, "mlp_tiny", root, data_dir, args.steps,
+                   args.flags)
     growth[config] = {name: big[name] - tiny.get(name, 0) for name in big}
-    timelines[config] = timeline
+    timelines[config] = (timeline, big)
   return growth, timelines
 
 
-def _print_timeline(config, timeline):
-  print(f"\n{config}: RSS (MB) of the first process at each output line")
+def _print_timeline(config, timeline, peaks):
+  """The RSS of the process that peaked highest, at each output line
+  where it moved by more than 50 MB."""
+  name = max(peaks, key=peaks.get)
+  print(f"\n{config}: RSS (MB) of {name} at the output lines")
   last = None
   for rss, text in timeline:
-    if last is None or abs(rss - last) > 50:
-      print(f"  {rss:8.0f}  {text}")
-      last = rss
+    now = rss.get(name)
+    if now is not None and (last is None or abs(now - last) > 50):
+      print(f"  {now:8.0f}  {text}")
+      last = now
 
 
 def main():
@@ -158,8 +162,11 @@ def main():
   parser.add_argument("--steps", type=int, default=6)
   parser.add_argument("--configs", default="default,mwms,mwms_shard")
   parser.add_argument("--timeline", action="store_true")
+  parser.add_argument("--flags", default="",
+                      help="more tfdist.train flags, space-separated")
   args = parser.parse_args()
   args.configs = args.configs.split(",")
+  args.flags = args.flags.split()
   rounds = []
   with tempfile.TemporaryDirectory(prefix="tfdist-bench-memory-") as root:
     data_dir = os.path.join(root, "data")
@@ -173,8 +180,8 @@ def main():
           f"{c}: " + ", ".join(f"{n} +{mb:.0f} MB" for n, mb in sorted(g.items()))
           for c, g in growth.items()), flush=True)
       if args.timeline:
-        for config, timeline in timelines.items():
-          _print_timeline(config, timeline)
+        for config, (timeline, peaks) in timelines.items():
+          _print_timeline(config, timeline, peaks)
   base = statistics.median(r["default"]["process"] for r in rounds) if (
       "default" in args.configs) else None
   print("\nmedian peak RSS growth per process (100M model minus tiny):")

@@ -1,15 +1,17 @@
 """What a test run left behind on this machine: network namespaces,
 processes and temporary directories that were not there before it.
 
-python -m tools.leftovers snapshot FILE   # before the tests
-python -m tools.leftovers check FILE      # after them
+TFDIST_RUN_MARK=TOKEN python -m tools.leftovers snapshot FILE  # before
+TFDIST_RUN_MARK=TOKEN python -m tools.leftovers check FILE     # after
 
 `check` prints one line for each thing left and exits 1 when a network
-namespace or a process of tfdist's (a launcher, a task, a Ray or Slurm
-daemon, an sshd a test started) is left; temporary directories are
-listed as warnings (docs/testing.md says which are known). Things that
-were there before (another session's, the machine's own) are not
-counted: what the snapshot saw is left out.
+namespace named tfdist* or a process of the run is left. A process of
+the run is one that inherited TFDIST_RUN_MARK=TOKEN from the tests (a
+launcher, a task, a Ray or Slurm daemon, an sshd a test started): other
+users' and other sessions' processes are not counted, whatever their
+names. Temporary directories of ours are listed as warnings
+(docs/testing.md says which are known). What the snapshot saw is left
+out.
 """
 
 import json
@@ -20,10 +22,7 @@ import sys
 import tempfile
 import time
 
-# Processes of ours: tfdist's modules, the tests' helpers and the engines
-# the tests start (Ray, Slurm, munge, sshd).
-_OURS = re.compile(r"tfdist|\blaunch\.|tests[./]|raylet|gcs_server|ray::|"
-                   r"\bslurm|munged|\bsshd\b")
+MARK = "TFDIST_RUN_MARK"
 # Temporary directories of ours: tfdist's own prefixes, and tfds's.
 _OUR_TEMP = re.compile(r"^tfdist-|^tmp\w*tfds$")
 SETTLE_SECONDS = 20
@@ -38,21 +37,24 @@ def _namespaces():
   return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _processes():
-  """{pid: command line} of every live process with a command line
-  (kernel threads have none; zombies are left out)."""
-  found = {}
+def _processes(mark):
+  """{pid: command line} of every live process whose environment holds
+  MARK=`mark` (zombies are left out)."""
+  found, wanted = {}, f"{MARK}={mark}".encode()
   for name in os.listdir("/proc"):
     if not name.isdigit():
       continue
     try:
+      with open(f"/proc/{name}/environ", "rb") as f:
+        if wanted not in f.read().split(b"\0"):
+          continue
       with open(f"/proc/{name}/cmdline", "rb") as f:
         command = f.read().replace(b"\0", b" ").decode(errors="replace")
       with open(f"/proc/{name}/stat") as f:
         state = f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
       continue
-    if command.strip() and state != "Z":
+    if state != "Z":
       found[name] = command.strip()
   return found
 
@@ -69,20 +71,19 @@ def _ancestors():
   return pids
 
 
-def snapshot():
-  return {"namespaces": _namespaces(), "processes": _processes(),
+def snapshot(mark):
+  return {"namespaces": _namespaces(), "processes": _processes(mark),
           "temp": sorted(os.listdir(tempfile.gettempdir()))}
 
 
-def left_behind(before, now):
-  """(errors, warnings): lines naming what is new since `before`."""
+def left_behind(before, now, mine=frozenset()):
+  """(errors, warnings): lines naming what is new since `before`; `mine`:
+  the pids of this check and its callers."""
   errors = [f"network namespace {name}" for name in now["namespaces"]
             if name.startswith("tfdist") and name not in before["namespaces"]]
-  mine = _ancestors()
   errors += [f"process {pid}: {command[:160]}"
              for pid, command in sorted(now["processes"].items())
-             if before["processes"].get(pid) != command
-             and pid not in mine and _OURS.search(command)]
+             if pid not in before["processes"] and pid not in mine]
   temp = tempfile.gettempdir()
   warnings = [f"temporary directory {temp}/{name}" for name in now["temp"]
               if _OUR_TEMP.search(name) and name not in before["temp"]]
@@ -94,18 +95,24 @@ def main(argv):
     print("usage: python -m tools.leftovers snapshot|check FILE",
           file=sys.stderr)
     return 2
+  mark = os.environ.get(MARK)
+  if not mark:
+    print(f"tools.leftovers needs {MARK} set, for the tests to inherit",
+          file=sys.stderr)
+    return 2
   if argv[1] == "snapshot":
     with open(argv[2], "w") as f:
-      json.dump(snapshot(), f)
+      json.dump(snapshot(mark), f)
     return 0
   with open(argv[2]) as f:
     before = json.load(f)
   # A daemon a test stopped may take a few seconds to be gone.
   deadline = time.monotonic() + SETTLE_SECONDS
-  errors, warnings = left_behind(before, snapshot())
-  while errors and time.monotonic() < deadline:
+  while True:
+    errors, warnings = left_behind(before, snapshot(mark), _ancestors())
+    if not errors or time.monotonic() > deadline:
+      break
     time.sleep(1)
-    errors, warnings = left_behind(before, snapshot())
   for line in warnings:
     print(f"leftovers: warning: {line}")
   for line in errors:

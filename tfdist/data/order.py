@@ -112,7 +112,7 @@ def resume_round(counts, consumed):
   return [(i, given[i]) for i in rotated if given[i] < counts[i]]
 
 
-def _interleave(paths, skips, split):
+def interleave(paths, skips, split):
   """Records of up to CYCLE files, one from each in turn, each file after
   its first `skips` records. Read in parallel only from remote storage:
   on a local disk, threads handing records over cost more CPU than they
@@ -129,7 +129,7 @@ def _rounds(all_paths, indices, split):
   """Records of the files `indices` (a tensor), CYCLE at a time."""
   def one_round(round_indices):
     paths = tf.gather(all_paths, round_indices)
-    return _interleave(paths, tf.zeros_like(round_indices), split)
+    return interleave(paths, tf.zeros_like(round_indices), split)
   return tf.data.Dataset.from_tensor_slices(indices).batch(CYCLE).flat_map(
       one_round)
 
@@ -195,7 +195,7 @@ def _resumed_epoch(split, seed, epoch, hosts, host, first_window, window):
       break
     done += size
   left = resume_round([split.counts[i] for i in files], start - done)
-  current = _interleave(
+  current = interleave(
       tf.constant([split.paths[files[i]] for i, _ in left]),
       tf.constant([given for _, given in left], tf.int64), split)
   later = [i for files in rounds[number + 1:] for i in files]

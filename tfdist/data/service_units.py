@@ -86,10 +86,8 @@ def _file_unit(split, slices, buffer):
   def records(unit, seed):
     epoch, part = unit // slices, unit % slices
     files = order.file_order(num_files, seed, epoch)[part::slices]
-    read = tf.data.Dataset.from_tensor_slices(tf.gather(paths, files))
-    records_ = read.interleave(
-        split.reader, cycle_length=order.CYCLE, block_length=1,
-        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    chosen = tf.gather(paths, files)
+    records_ = order.interleave(chosen, tf.zeros_like(files), split)
     return randomness.shuffle(
         records_, buffer, randomness.seed_of(seed, unit)).map(
             split.parse, num_parallel_calls=tf.data.AUTOTUNE,
