@@ -125,7 +125,7 @@ def _train_flag(train_args, name, default=_OPTION_DEFAULT):
   flags.DEFINE_string(name, None, "", flag_values=values)
   try:
     values(["train", *train_args], known_only=True)
-  except flags.CantOpenFlagFileError:
+  except (flags.CantOpenFlagFileError, UnicodeDecodeError):
     raise _Unreadable() from None
   except flags.Error:
     return default  # The task itself reports its bad flag.

@@ -758,10 +758,19 @@ def test_the_chiefs_state_goes_in_pieces_and_back_whole(two_cpu_strategy,
                                     [n // 2, 2])) for n in (2, 10, 6, 40)]
     state += [tf.Variable(7, dtype=tf.int64), tf.Variable([1.5],
                                                           tf.float64)]
+    state.insert(2, tf.Variable(tf.zeros([0, 3])))  # Nothing to send.
   expected = [v.numpy().copy() for v in state]
   broadcast = replica_check.ChiefBroadcast(strategy=two_cpu_strategy,
                                            variables=state)
   broadcast.PIECE_BYTES = piece_bytes
+  # Each variable with values comes back once, whole, in its own place.
+  floats = [v for v in state if v.dtype == tf.float32]
+  back = list(broadcast._received(tf.float32, floats))  # pylint: disable=protected-access
+  assert [id(v) for v, _ in back] == [id(v) for v in floats
+                                      if v.shape.num_elements()]
+  for variable, chiefs in back:
+    np.testing.assert_array_equal(chiefs.reshape(variable.shape),
+                                  variable.numpy())
   assert broadcast.run() == []
   for variable, values in zip(state, expected):
     np.testing.assert_array_equal(variable.numpy(), values)

@@ -85,7 +85,8 @@ class ChiefBroadcast:
   chunk still left each worker but the chief holding about half of every
   chunk sent, since TF keeps memory per collective instance
   (tools/bench_replica_memory). A variable bigger than a piece spans
-  several; it is held twice here while it is compared.
+  several; it is held up to three times here while it is compared (its
+  values, the chief's, and the assign's new buffer).
   """
 
   PIECE_BYTES = 64 << 20
@@ -122,13 +123,20 @@ class ChiefBroadcast:
         if not np.array_equal(own, chiefs, equal_nan=True):
           changed.append(_name(variable))
           variable.assign(chiefs)
+    # A fresh function for a later call: the traced one, and whatever TF
+    # keeps for its collectives, go now.
+    self._send = tf.function(self._reduced_piece)
     if self._then:
       self._then(bool(changed))
     return changed
 
   def _received(self, dtype, variables):
-    """(variable, the chief's values flat), as the pieces come back."""
+    """(variable, the chief's values flat), as the pieces come back; an
+    empty variable has nothing to send."""
+    variables = [v for v in variables if int(np.prod(tuple(v.shape)))]
     sizes = [int(np.prod(tuple(v.shape))) for v in variables]
+    if not variables:
+      return
     length = max(1, min(self.PIECE_BYTES // dtype.size, sum(sizes)))
     piece = np.zeros([length], dtype.as_numpy_dtype)
     spans, fill, received, missing = [], 0, {}, list(sizes)
@@ -136,7 +144,7 @@ class ChiefBroadcast:
       flat = np.asarray(variable.numpy()).reshape([-1])
       received[index] = np.empty_like(flat)
       start = 0
-      while start < flat.size or (index == len(variables) - 1 and fill):
+      while start < flat.size:
         count = min(length - fill, flat.size - start)
         piece[fill:fill + count] = flat[start:start + count]
         spans.append((index, start, count, fill))

@@ -4,8 +4,9 @@ run, against the default strategy's, on a model of ~100M parameters.
 python -m tools.bench_replica_memory [--rounds=1] [--steps=6]
     [--configs=default,mwms,mwms_shard] [--timeline]
 
-A user's 12-layer MLP (`mlp_100m`, 12 x 2,900 x 2,900 float32 weights,
-Adam: 1.6 GB of training state) trains `--steps` steps at batch 8 on
+A user's 12-layer MLP (`mlp_100m`: 64 x 2,900, then 11 x 2,900 x 2,900,
+then 2,900 x 10 float32 weights, 92.8M parameters; with Adam 1.1 GB of
+training state) trains `--steps` steps at batch 8 on
 digits, in a fresh model_dir, as:
 - default: `python -m tfdist.train --strategy=default`, one process;
 - mwms: 2 MultiWorkerMirrored workers (`python -m launch.local
@@ -35,7 +36,7 @@ WIDTH, DEPTH = 2900, 12
 
 
 def mlp_100m():
-  """The user's model: 12 dense layers of 2,900 units (~101M weights)."""
+  """The user's model: 12 dense layers of 2,900 units (92.8M weights)."""
   import keras
   return keras.Sequential(
       [keras.Input((8, 8, 1)), keras.layers.Flatten()]
