@@ -20,8 +20,9 @@ from conftest import run_launcher
 # batch k is the same examples for any worker count: every membership
 # trains the weights one device would (up to rounding, which a smooth model
 # does not amplify).
-COMMON = ["--model=tests.smooth_model:mlp_tanh", "--steps_per_loop=5", "--log_every=5", "--eval_every=0",
-          "--batch_size=48", "--optimizer=sgd", "--learning_rate=0.05",
+COMMON = ["--model=tests.smooth_model:mlp_tanh", "--steps_per_loop=5",
+          "--log_every=5", "--eval_every=0", "--batch_size=48",
+          "--optimizer=sgd", "--learning_rate=0.05",
           "--checkpoint_every=10", "--noexport"]
 LAUNCH = ["--backoff_seconds=0.2", "--stop_grace_seconds=5",
           "--isolate=off"]

@@ -766,9 +766,10 @@ def test_the_chiefs_state_goes_in_pieces_and_back_whole(two_cpu_strategy,
   # Each variable with values comes back once, whole, in its own place.
   floats = [v for v in state if v.dtype == tf.float32]
   back = list(broadcast._received(tf.float32, floats))  # pylint: disable=protected-access
-  assert [id(v) for v, _ in back] == [id(v) for v in floats
-                                      if v.shape.num_elements()]
-  for variable, chiefs in back:
+  assert [id(v) for v, _, _ in back] == [id(v) for v in floats
+                                         if v.shape.num_elements()]
+  for variable, own, chiefs in back:
+    np.testing.assert_array_equal(own, variable.numpy().reshape([-1]))
     np.testing.assert_array_equal(chiefs.reshape(variable.shape),
                                   variable.numpy())
   assert broadcast.run() == []

@@ -6,8 +6,6 @@ differs from replica 0 is named. After a restore, ChiefBroadcast makes it
 so.
 """
 
-import functools
-
 import numpy as np
 import tensorflow as tf
 
@@ -86,7 +84,7 @@ class ChiefBroadcast:
   chunk sent, since TF keeps memory per collective instance
   (tools/bench_replica_memory). A variable bigger than a piece spans
   several; it is held up to three times here while it is compared (its
-  values, the chief's, and the assign's new buffer).
+  values, read once, the chief's, and the assign's new buffer).
   """
 
   PIECE_BYTES = 64 << 20
@@ -117,12 +115,10 @@ class ChiefBroadcast:
     # Dtype after dtype and piece after piece, in the same order on every
     # worker: each call's collective ends before the next one begins.
     for dtype, variables in self._groups:
-      for variable, chiefs in self._received(dtype, variables):
-        own = np.asarray(variable.numpy())
-        chiefs = chiefs.reshape(own.shape)
+      for variable, own, chiefs in self._received(dtype, variables):
         if not np.array_equal(own, chiefs, equal_nan=True):
           changed.append(_name(variable))
-          variable.assign(chiefs)
+          variable.assign(chiefs.reshape(variable.shape))
     # A fresh function for a later call: the traced one, and whatever TF
     # keeps for its collectives, go now.
     self._send = tf.function(self._reduced_piece)
@@ -131,10 +127,11 @@ class ChiefBroadcast:
     return changed
 
   def _received(self, dtype, variables):
-    """(variable, the chief's values flat), as the pieces come back; an
-    empty variable has nothing to send."""
-    variables = [v for v in variables if int(np.prod(tuple(v.shape)))]
+    """(variable, its values here flat, the chief's flat), as the pieces
+    come back; an empty variable has nothing to send."""
     sizes = [int(np.prod(tuple(v.shape))) for v in variables]
+    variables = [v for v, size in zip(variables, sizes) if size]
+    sizes = [size for size in sizes if size]
     if not variables:
       return
     length = max(1, min(self.PIECE_BYTES // dtype.size, sum(sizes)))
@@ -142,7 +139,7 @@ class ChiefBroadcast:
     spans, fill, received, missing = [], 0, {}, list(sizes)
     for index, variable in enumerate(variables):
       flat = np.asarray(variable.numpy()).reshape([-1])
-      received[index] = np.empty_like(flat)
+      received[index] = (flat, np.empty_like(flat))
       start = 0
       while start < flat.size:
         count = min(length - fill, flat.size - start)
@@ -154,11 +151,12 @@ class ChiefBroadcast:
           piece[fill:] = 0
           chiefs = self._send(tf.constant(piece)).numpy()
           for at, first, size, offset in spans:
-            received[at][first:first + size] = chiefs[offset:offset + size]
+            received[at][1][first:first + size] = chiefs[offset:
+                                                         offset + size]
             missing[at] -= size
           spans, fill = [], 0
           for at in sorted(i for i in received if not missing[i]):
-            yield variables[at], received.pop(at)
+            yield (variables[at], *received.pop(at))
 
 
 def _by_dtype(variables):

@@ -37,7 +37,8 @@ BATCH = 256
 EPOCHS_READ = 4  # Epochs a worker's bytes are averaged over.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STEP = re.compile(r"train step (\d+)/")
-_STARTED = re.compile(r"^\[launch\] started (worker:\d) pid=(\d+)")
+# A task launch.local started: its name and pid.
+STARTED = re.compile(r"^\[launch\] started (worker:\d) pid=(\d+)")
 
 
 # The user's module: --dataset=tools.bench_files:data, --model=...:build.
@@ -172,7 +173,7 @@ def _worker_bytes(root, model_dir, epoch):
   pids, seen, tail = {}, [], []
   for line in proc.stdout:
     tail = (tail + [line])[-20:]
-    found = _STARTED.match(line)
+    found = STARTED.match(line)
     if found:
       pids[found.group(1)] = int(found.group(2))
     step = _STEP.search(line)

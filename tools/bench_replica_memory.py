@@ -22,7 +22,6 @@ each line of the run's output (where the memory is taken).
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -30,8 +29,9 @@ import tempfile
 import threading
 import time
 
+from . import bench_files
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_STARTED = re.compile(r"^\[launch\] started (worker:\d) pid=(\d+)")
 WIDTH, DEPTH = 2900, 12
 
 
@@ -121,7 +121,7 @@ def _run(config, model, root, data_dir, steps, extra_flags=()):
   tail = []
   for line in proc.stdout:
     tail = (tail + [line])[-40:]
-    started = _STARTED.match(line)
+    started = bench_files.STARTED.match(line)
     if started:
       watch.add(started.group(1), int(started.group(2)))
     watch.line(line)
