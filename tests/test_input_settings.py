@@ -399,20 +399,25 @@ def _length(record):
 @pytest.mark.parametrize("cache", ["off", "memory"])
 def test_batch_sharding_parses_and_augments_a_share_per_host(root, cache):
   """Each of 2 hosts reads the whole stream but parses (streamed) and
-  augments only the batches it keeps: 544 examples taken, not 1088."""
-  calls = []
-  through = _counting(calls)
+  augments only the batches it keeps: 544 examples taken, not 1088. A
+  cache parses each of the 180 records once. The slack is the read-ahead
+  past the last batch taken, which grows on a loaded machine (78 seen)."""
+  parsed, augmented = [], []
+  through = _counting(augmented)
   dataset = data.file_dataset(data.FileData(
       train=f"{root}/train-*", eval=f"{root}/eval-*",
-      parse=_counting_parse(root, calls),
+      parse=_counting_parse(root, parsed),
       augment=lambda features, label: (through(features), label)),
       "counted")
-  calls.clear()
+  parsed.clear()
   kept = _ids(_batches(dataset, hosts=2, host=1, steps=68, cache=cache,
                        sharding="batch"))
   assert len(kept) == 544
-  per_example = 2 if cache == "off" else 1  # Parse and augment; augment.
-  assert len(calls) < per_example * 544 + 200, len(calls)
+  assert 544 <= len(augmented) < 544 + 200, len(augmented)
+  if cache == "off":
+    assert 544 <= len(parsed) < 544 + 200, len(parsed)
+  else:
+    assert len(parsed) == sum(COUNTS), len(parsed)
 
 
 def test_locate_walks_the_epochs_in_one_call():
