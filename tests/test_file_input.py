@@ -90,12 +90,18 @@ def test_records_are_counted_from_the_headers_locally_and_on_ram(root,
     assert counts_lib.count_records(path, "") == count
 
 
+def _records(split, *, position, **kwargs):
+  """The stream order.records gives from `position` on."""
+  return order.records(split, start=order.place(split, position=position,
+                                                **kwargs), **kwargs)
+
+
 def _epochs(split, hosts, host, seed, epochs, window=16):
   """Each of this pipeline's first `epochs` epochs, as a list of ids."""
   sizes = [order.epoch_length(split.counts, seed, e, hosts)
            for e in range(epochs)]
-  stream = _ids(order.records(split, seed=seed, hosts=hosts, host=host,
-                              position=0, window=window), sum(sizes))
+  stream = _ids(_records(split, seed=seed, hosts=hosts, host=host,
+                        position=0, window=window), sum(sizes))
   bounds = np.cumsum([0] + sizes)
   return [stream[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
@@ -136,12 +142,12 @@ def test_a_resume_is_the_tail_of_the_uninterrupted_stream(dataset, hosts,
   split = dataset.file_split
   window = 16
   first = order.epoch_length(split.counts, 9, 0, hosts)
-  whole = _ids(order.records(split, seed=9, hosts=hosts, host=host,
-                             position=0, window=window), first + 200)
+  whole = _ids(_records(split, seed=9, hosts=hosts, host=host,
+                       position=0, window=window), first + 200)
   for position in sorted({1, window - 1, window, window + 3, 45, 100,
                           first - 1, first, first + 17}):
-    resumed = _ids(order.records(split, seed=9, hosts=hosts, host=host,
-                                 position=position, window=window), 150)
+    resumed = _ids(_records(split, seed=9, hosts=hosts, host=host,
+                           position=position, window=window), 150)
     assert resumed == whole[position:position + 150], position
 
 
@@ -156,8 +162,8 @@ def test_remote_files_are_read_in_parallel_in_the_same_order(dataset):
   remote = dataclasses.replace(split, paths=tuple(remote_paths))
   assert remote.remote and not split.remote
   for position in (0, 37):
-    streams = [_ids(order.records(s, seed=4, hosts=2, host=1,
-                                  position=position, window=16), 120)
+    streams = [_ids(_records(s, seed=4, hosts=2, host=1,
+                            position=position, window=16), 120)
                for s in (split, remote)]
     assert streams[0] == streams[1]
   # Eval and cache fills read every record in one order wherever the files

@@ -174,6 +174,48 @@ def test_every_strategy_trains_on_the_streamed_files(outside, tmp_path):
                                    expected, rtol=1e-5)
 
 
+def _worker_batches(path):
+  """{worker index: [batch ids, ...]} from the lines workers printed."""
+  batches = collections.defaultdict(list)
+  with open(path) as lines:
+    for line in lines:
+      worker, ids = re.fullmatch(r"(\d+) \[([\d ]+)\]\n", line).groups()
+      batches[int(worker)].append([int(i) for i in ids.split()])
+  return batches
+
+
+def _files_of(ids):
+  return {i // user_files.PER_FILE for i in ids}
+
+
+def test_parameter_server_workers_read_their_own_files(outside, tmp_path):
+  """8 files on 2 asynchronous workers: each reads only its 4 files of
+  the run's plan in an epoch (8 steps of 32), and a resume at step 16
+  starts each in its next epoch's files."""
+  from tfdist.data import order
+  printed = tmp_path / "worker-ids.txt"
+  common = ["--chief", "--workers=2", "--ps=1", "--", *USER, "--seed=3",
+            "--strategy=parameter_server", "--cache=off",
+            "--checkpoint_every=16", f"--model_dir={tmp_path / 'run'}"]
+  env = {"USER_FILES": str(tmp_path / "files"),
+         "USER_WORKER_IDS": str(printed)}
+  output = _run(outside, "tfdist.launch.local",
+                [*common, "--train_steps=16"], env)
+  assert "Input sharding: file: each host reads only its own files" in output
+  for epoch in (0, 1):
+    batches = _worker_batches(printed)
+    assert sum(map(len, batches.values())) == 16, batches
+    for worker in range(2):
+      mine = [i for batch in batches[worker][:8] for i in batch]
+      assert len(set(mine)) == len(mine), (epoch, worker)
+      assert _files_of(mine) <= set(order.host_files(
+          user_files.NUM_FILES, 3, epoch, 2, worker)), (epoch, worker)
+    printed.unlink()
+    if not epoch:
+      _run(outside, "tfdist.launch.local", [*common, "--train_steps=32"],
+           env)
+
+
 def test_workers_that_see_other_files_stop_in_one_line(outside, tmp_path):
   model_dir = tmp_path / "run"
   proc = subprocess.run(

@@ -193,6 +193,25 @@ def test_the_plan_keeps_the_batch_and_the_seed(root):
   assert inputs.plan["global_batch_size"] == 48 and inputs.plan["seed"] == 0
 
 
+def test_parameter_server_file_sharding_of_cached_data_is_refused(root):
+  """Asynchronous workers shard by file only streamed files (their
+  dataset function is traced once); auto on cached data has each worker
+  read everything."""
+  dataset = data.file_dataset(_file_data(root), "ps")
+  with pytest.raises(ConfigError, match=r"--input_sharding=file on "
+                     r"parameter-server workers takes files streamed.*"
+                     r"Received: cache=memory"):
+    data.inputs_from_dataset(dataset, global_batch_size=8, seed=1,
+                             sharding="file", num_hosts=2, cache="memory",
+                             asynchronous=True)
+  for cache, sharding, mode in (("memory", "auto", "batch"),
+                                ("off", "file", "file")):
+    inputs = data.inputs_from_dataset(
+        dataset, global_batch_size=8, seed=1, sharding=sharding,
+        num_hosts=2, cache=cache, asynchronous=True)
+    assert inputs.plan["sharding"] == mode, cache
+
+
 def test_file_sharding_of_cached_uneven_hosts_is_refused(root, tmp_path):
   """3 equal files on 2 hosts: host 0 holds two, host 1 one; a host's
   epoch is the shortest host's, so host 0's examples would be trained

@@ -7,7 +7,10 @@ outside the repository):
   first when that is a ram:// prefix, since ram:// lives in one process);
 - `build()`: a compiled Keras model that, while training, appends the ids
   of each batch it trains on to $USER_IDS_DIR/ids-PID.txt (a py_function:
-  what a step really consumed, not what the input read ahead).
+  what a step really consumed, not what the input read ahead); on
+  parameter-server workers, where a py_function cannot run, with
+  $USER_WORKER_IDS set, a line "worker-index [ids]" per batch appended
+  to that file by the worker (tf.print).
 """
 
 import dataclasses
@@ -23,6 +26,7 @@ import tfdist
 
 NUM_FILES, PER_FILE, NUM_EVAL, NUM_CLASSES = 8, 64, 40, 3
 FILES_ENV, IDS_ENV, SLEEP_ENV = "USER_FILES", "USER_IDS_DIR", "USER_SLEEP"
+WORKER_IDS_ENV = "USER_WORKER_IDS"
 
 
 def _features(ids):
@@ -93,6 +97,13 @@ class LogIds(keras.layers.Layer):
   """Passes x through; while training, logs the batch's ids first."""
 
   def call(self, x, ids, training=None):
+    if training and os.environ.get(WORKER_IDS_ENV):
+      printed = tf.print(
+          tf.distribute.coordinator.experimental_get_current_worker_index(),
+          ids, summarize=-1,
+          output_stream=f"file://{os.environ[WORKER_IDS_ENV]}")
+      with tf.control_dependencies([printed]):
+        return tf.identity(x)
     if not (training and os.environ.get(IDS_ENV)):
       return x
     logged = tf.py_function(_append, [ids], tf.int64)

@@ -285,19 +285,6 @@ class _Parts:
   sharded: object  # A ShardedUpdate with --shard_optimizer, else None.
 
 
-def _input_pipelines(info):
-  """Input pipelines that split the data: one per worker, except on
-  parameter servers, where each worker's dataset function sees one
-  pipeline (TF's InputContext) and reads all the data in its own order."""
-  if info.coordinator is not None:
-    if info.num_workers > 1:
-      logging.info("Input: each of the %d parameter-server workers reads "
-                   "all the train data, in an order of its own.",
-                   info.num_workers)
-    return 1
-  return info.num_workers
-
-
 def _inputs(config, info, task):
   if task.controls_input:
     if config.data_service:
@@ -321,8 +308,9 @@ def _inputs(config, info, task):
       task.data(), global_batch_size=config.batch_size,
       eval_steps_requested=config.eval_steps,
       seed=config.seed, sharding=config.input_sharding,
-      num_hosts=_input_pipelines(info),
-      cache=config.cache, shuffle_buffer=config.shuffle_buffer)
+      num_hosts=info.num_workers, cache=config.cache,
+      shuffle_buffer=config.shuffle_buffer,
+      asynchronous=info.coordinator is not None)
 
 
 def _model_and_optimizer(config, info, task, sample):

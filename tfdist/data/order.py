@@ -12,6 +12,8 @@ and only the current window is read again. Nothing is saved in the
 checkpoint but the step: the shuffle buffer is not state.
 """
 
+import dataclasses
+
 import tensorflow as tf
 
 from tfdist.data import randomness
@@ -158,10 +160,50 @@ def _shuffle_windows(records, seed, epoch, window, first_window):
   return records.window(window).prefetch(1).enumerate().flat_map(permute)
 
 
-def records(split, *, seed, hosts, host, position, window):
-  """Serialized records of pipeline `host` of `hosts`, for ever, from
-  record `position` of its stream on. `seed=None`: an order of the
-  pipeline's own, from the start (asynchronous workers)."""
+@dataclasses.dataclass(frozen=True)
+class Place:
+  """Where one pipeline's stream resumes, worked out eagerly (a dataset
+  function traced for parameter-server workers cannot read tensors).
+  `round_left`: ((path, records already given), ...) of the files of the
+  round in progress at the window's start; `later`: the epoch's files
+  after that round."""
+
+  epoch: int
+  into: int  # Records of the epoch already trained on.
+  length: int  # Records of the epoch this pipeline trains on.
+  first_window: int
+  round_left: tuple
+  later: tuple
+
+
+def place(split, *, seed, hosts, host, position, window):
+  """The Place of pipeline `host` of `hosts` after `position` records."""
+  epoch, into = locate(split.counts, seed, hosts, host, position)
+  mine = host_files(len(split.paths), seed, epoch, hosts, host)
+  first_window = into // window
+  start = first_window * window
+  rounds = [mine[i:i + CYCLE] for i in range(0, len(mine), CYCLE)]
+  done = 0
+  for number, files in enumerate(rounds):
+    size = sum(split.counts[i] for i in files)
+    if start < done + size:
+      break
+    done += size
+  left = resume_round([split.counts[i] for i in files], start - done)
+  return Place(epoch=epoch, into=into,
+               length=epoch_length(split.counts, seed, epoch, hosts),
+               first_window=first_window,
+               round_left=tuple((split.paths[files[i]], given)
+                                for i, given in left),
+               later=tuple(i for files in rounds[number + 1:]
+                           for i in files))
+
+
+def records(split, *, seed, hosts, host, window, start=None):
+  """Serialized records of pipeline `host` of `hosts`, for ever, from its
+  Place `start` on (None: the beginning). `seed=None`: an order of the
+  pipeline's own, from the start (asynchronous workers). Builds the
+  dataset only: no tensor is read, so it traces."""
   all_paths = tf.constant(split.paths)
   num_files = len(split.paths)
 
@@ -173,34 +215,22 @@ def records(split, *, seed, hosts, host, position, window):
         epoch, window, 0).take(
             _epoch_length_tensor(split.counts, order, hosts))
 
-  if seed is None:
+  if start is None:
     return tf.data.Dataset.range(FOREVER).flat_map(epoch_records)
-  epoch, into = locate(split.counts, seed, hosts, host, position)
-  first = _resumed_epoch(split, seed, epoch, hosts, host,
-                         into // window, window)
-  length = epoch_length(split.counts, seed, epoch, hosts)
-  return first.skip(into % window).take(length - into).concatenate(
-      tf.data.Dataset.range(epoch + 1, FOREVER).flat_map(epoch_records))
+  first = _resumed_epoch(split, seed, start, window)
+  return first.skip(start.into % window).take(
+      start.length - start.into).concatenate(
+          tf.data.Dataset.range(start.epoch + 1, FOREVER).flat_map(
+              epoch_records))
 
 
-def _resumed_epoch(split, seed, epoch, hosts, host, first_window, window):
-  """Epoch `epoch` of pipeline `host` from window `first_window` on."""
-  mine = host_files(len(split.paths), seed, epoch, hosts, host)
-  start = first_window * window
-  rounds = [mine[i:i + CYCLE] for i in range(0, len(mine), CYCLE)]
-  done = 0
-  for number, files in enumerate(rounds):
-    size = sum(split.counts[i] for i in files)
-    if start < done + size:
-      break
-    done += size
-  left = resume_round([split.counts[i] for i in files], start - done)
-  current = interleave(
-      tf.constant([split.paths[files[i]] for i, _ in left]),
-      tf.constant([given for _, given in left], tf.int64), split)
-  later = [i for files in rounds[number + 1:] for i in files]
-  if later:
+def _resumed_epoch(split, seed, start, window):
+  """The epoch of Place `start` from its first window on."""
+  paths, given = zip(*start.round_left)
+  current = interleave(tf.constant(paths), tf.constant(given, tf.int64),
+                       split)
+  if start.later:
     current = current.concatenate(_rounds(
-        tf.constant(split.paths), tf.constant(later, tf.int64), split))
-  return _shuffle_windows(current, tf.constant(seed, tf.int64), epoch,
-                          window, first_window)
+        tf.constant(split.paths), tf.constant(start.later, tf.int64), split))
+  return _shuffle_windows(current, tf.constant(seed, tf.int64), start.epoch,
+                          window, start.first_window)

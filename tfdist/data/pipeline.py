@@ -8,6 +8,7 @@ once.
 """
 
 import dataclasses
+import functools
 from typing import Callable, Optional, Tuple
 
 from absl import logging
@@ -141,13 +142,17 @@ def _stream_batches(dataset, seed, start_example, batch_size, buffer,
 
 
 def _planned_batches(dataset, seed, hosts, host, start_example, batch_size,
-                     buffer, slice_of=(1, 0)):
+                     buffer, slice_of=(1, 0), place=None):
   """A split streamed from its files in tfdist.data.order's plan: pipeline
   `host` of `hosts` (file sharding), or the one stream (hosts 1) of which
-  this host keeps `slice_of`."""
+  this host keeps `slice_of`. `place`: where `start_example` is, worked
+  out beforehand (in a traced dataset function it cannot be)."""
   split = dataset.file_split
+  if place is None and seed is not None:
+    place = order.place(split, seed=seed, hosts=hosts, host=host,
+                        position=start_example, window=buffer)
   records = order.records(split, seed=seed, hosts=hosts, host=host,
-                          position=start_example, window=buffer)
+                          window=buffer, start=place)
   # Hosts that read streams of their own draw apart.
   return _own_batches(records, prepare=(split.parse, dataset.augment),
                       seed=seed, stream=host if hosts > 1 else 0,
@@ -157,7 +162,7 @@ def _planned_batches(dataset, seed, hosts, host, start_example, batch_size,
 
 def train_input_fn(dataset: sources.Dataset, *, global_batch_size, seed,
                    start_step=0, sharding="batch", cache="auto",
-                   shuffle_buffer=SHUFFLE_BUFFER):
+                   shuffle_buffer=SHUFFLE_BUFFER, workers=None):
   """Returns an input_fn for `distribute_datasets_from_function`.
 
   `batch`: every host reads the whole stream and keeps its slice of each
@@ -166,9 +171,15 @@ def train_input_fn(dataset: sources.Dataset, *, global_batch_size, seed,
   shuffled epochs; a global batch depends on the host count.
   Either way, resuming at `start_step` skips the batches already trained
   on, so no example repeats within an epoch. `seed=None` gives each input
-  pipeline its own order (asynchronous PS workers).
+  pipeline its own order (asynchronous PS workers). `workers`: that many
+  asynchronous workers, each reading its own files (`file` on streamed
+  files), from its share of the examples before `start_step`.
   """
   policy = cache_lib.Policy.of(dataset, cache)
+  if workers:
+    return _worker_input_fn(dataset, seed, workers,
+                            start_step * global_batch_size // workers,
+                            global_batch_size, shuffle_buffer)
 
   def input_fn(context):
     hosts, host = context.num_input_pipelines, context.input_pipeline_id
@@ -191,6 +202,28 @@ def train_input_fn(dataset: sources.Dataset, *, global_batch_size, seed,
     # use a plain iterator.
     return batches.apply(tf.data.experimental.assert_cardinality(
         tf.data.INFINITE_CARDINALITY))
+  return input_fn
+
+
+def _worker_input_fn(dataset, seed, workers, start, batch_size, buffer):
+  """File sharding on asynchronous (parameter-server) workers. TF traces
+  the dataset function once for all of them, so it builds every worker's
+  stream, and each worker runs its own (TF's worker index); where each
+  starts is worked out here, eagerly, as a trace cannot."""
+  places = [order.place(dataset.file_split, seed=seed, hosts=workers,
+                        host=worker, position=start, window=buffer)
+            for worker in range(workers)]
+
+  def input_fn(context):
+    streams = [functools.partial(
+        _planned_batches, dataset, seed, workers, worker, start, batch_size,
+        buffer, place=places[worker]) for worker in range(workers)]
+    index = tf.distribute.coordinator.experimental_get_current_worker_index()
+    batches = tf.switch_case(tf.cast(index, tf.int32), streams).rebatch(
+        context.get_per_replica_batch_size(batch_size))
+    return batches.prefetch(tf.data.AUTOTUNE).apply(
+        tf.data.experimental.assert_cardinality(
+            tf.data.INFINITE_CARDINALITY))
   return input_fn
 
 
@@ -251,27 +284,43 @@ class Inputs:
 def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
                         seed, eval_steps_requested=0, sharding="batch",
                         num_hosts=1, cache="auto",
-                        shuffle_buffer=SHUFFLE_BUFFER) -> Inputs:
-  """tfdist's own pipeline over unbatched examples; `seed`: the run's."""
+                        shuffle_buffer=SHUFFLE_BUFFER,
+                        asynchronous=False) -> Inputs:
+  """tfdist's own pipeline over unbatched examples; `seed`: the run's.
+  `asynchronous`: the `num_hosts` are parameter-server workers, which
+  read all the data each in an order of its own, or (file sharding) each
+  its own files in the run's plan."""
   policy = cache_lib.Policy.of(dataset, cache)
+  if asynchronous and sharding == "file" and not policy.planned:
+    raise ConfigError(
+        "--input_sharding=file on parameter-server workers takes files "
+        f"streamed as they are read, but {dataset.name} is "
+        f"{cache_lib.describe(policy.cache, dataset)}. Use --cache=off or "
+        f"--input_sharding=batch. Received: cache={cache}")
   mode = sharding_lib.resolve_sharding(dataset, sharding, num_hosts,
                                        seed=seed, streamed=policy.planned)
   if not dataset.in_memory:
     logging.info("Input: %s is %s.", dataset.name,
                  cache_lib.describe(policy.cache, dataset))
   if num_hosts > 1:
-    logging.info("Input sharding: %s: %s.", mode, sharding_lib.describe(
-        dataset, mode, sharding, num_hosts, policy.planned, seed))
+    logging.info("Input sharding: %s: %s.", mode, (
+        f"each of the {num_hosts} parameter-server workers reads all the "
+        "train data, in an order of its own" if asynchronous and
+        mode == "batch" else sharding_lib.describe(
+            dataset, mode, sharding, num_hosts, policy.planned, seed)))
+  # File sharding on asynchronous workers keeps the run's plan (its seed).
+  workers = num_hosts if asynchronous and mode == "file" else None
   return Inputs(
       plan={**plan_lib.input_plan(dataset, global_batch_size, seed,
                                   shuffle_buffer),
             "sharding": mode,
             "input_pipelines": num_hosts if mode == "file" else 1},
       name=dataset.name,
-      train_fn=lambda start_step, seed: train_input_fn(
-          dataset, global_batch_size=global_batch_size, seed=seed,
-          start_step=start_step, sharding=mode, cache=cache,
-          shuffle_buffer=shuffle_buffer),
+      train_fn=lambda start_step, own_seed: train_input_fn(
+          dataset, global_batch_size=global_batch_size,
+          seed=seed if workers else own_seed, start_step=start_step,
+          sharding=mode, cache=cache, shuffle_buffer=shuffle_buffer,
+          workers=workers),
       eval_fn=lambda: eval_input.eval_input_fn(
           dataset, global_batch_size=global_batch_size, cache=cache),
       eval_steps=eval_input.eval_steps(
