@@ -174,6 +174,31 @@ def test_every_strategy_trains_on_the_streamed_files(outside, tmp_path):
                                    expected, rtol=1e-5)
 
 
+def test_two_workers_read_their_own_files_of_a_hand_built_pipeline(
+    outside, tmp_path):
+  """A TFRecordDataset(files).map(parse) of the user's own on 2
+  MultiWorkerMirrored workers: TF's auto-shard rewrite deals the 8 files
+  out, worker w reads files w, w + 2, ... (16 steps: an epoch of each
+  worker's 256 records in batches of 16), each record once."""
+  ids_dir = tmp_path / "ids"
+  ids_dir.mkdir()
+  output = _run(outside, "tfdist.launch.local", [
+      "--workers=2", "--isolate=off", "--", *USER,
+      "--dataset=mymod:hand_built", "--strategy=multi_worker_mirrored",
+      "--train_steps=16", f"--model_dir={tmp_path / 'run'}"],
+      {"USER_FILES": str(tmp_path / "files"), "USER_IDS_DIR": str(ids_dir)})
+  assert "Input sharding: file: each host reads only its own files of " \
+         "this hand-built pipeline" in output, output[-3000:]
+  workers = []
+  for path in sorted(glob.glob(str(ids_dir / "ids-*.txt"))):
+    with open(path) as lines:
+      workers.append([int(i) for line in lines for i in line.split()])
+  assert sorted(map(len, workers)) == [256, 256]
+  files = sorted(_files_of(ids) for ids in workers)
+  assert files == [{0, 2, 4, 6}, {1, 3, 5, 7}], files
+  assert all(len(set(ids)) == 256 for ids in workers)
+
+
 def _worker_batches(path):
   """{worker index: [batch ids, ...]} from the lines workers printed."""
   batches = collections.defaultdict(list)

@@ -199,8 +199,9 @@ def test_parameter_server_file_sharding_of_cached_data_is_refused(root):
   read everything."""
   dataset = data.file_dataset(_file_data(root), "ps")
   with pytest.raises(ConfigError, match=r"--input_sharding=file on "
-                     r"parameter-server workers takes files streamed.*"
-                     r"Received: cache=memory"):
+                     r"parameter-server workers takes a tfdist.FileData "
+                     r"streamed.*Received: input_sharding=file, "
+                     r"cache=memory"):
     data.inputs_from_dataset(dataset, global_batch_size=8, seed=1,
                              sharding="file", num_hosts=2, cache="memory",
                              asynchronous=True)
@@ -210,6 +211,41 @@ def test_parameter_server_file_sharding_of_cached_data_is_refused(root):
         dataset, global_batch_size=8, seed=1, sharding=sharding,
         num_hosts=2, cache=cache, asynchronous=True)
     assert inputs.plan["sharding"] == mode, cache
+
+
+def _hand_built(root, zipped=False):
+  files = sorted(tf.io.gfile.glob(f"{root}/train-*"))
+  parse = _file_data(root).parse
+  records = tf.data.TFRecordDataset(files)
+  if zipped:  # A second source TF's rewrite cannot deal out.
+    records = tf.data.Dataset.zip(
+        (records, tf.data.Dataset.range(10**6))).map(lambda r, _: r)
+  return data.from_user("own", records.map(parse),
+                        tf.data.TFRecordDataset(files).map(parse))
+
+
+def test_a_hand_built_pipeline_is_sharded_by_its_files(root):
+  """TF's auto-shard rewrite finds the TFRecordDataset's 6 files: host h
+  of 2 reads files h, h + 2, h + 4 only (92 and 88 examples), each once
+  in its first 11 batches of 8."""
+  from tfdist.data import sharding
+  own = _hand_built(root)
+  assert sharding.resolve_sharding(own, "auto", 2, seed=1) == "file"
+  starts = np.cumsum([0] + COUNTS)
+  for host in range(2):
+    ids = _ids(_batches(own, hosts=2, host=host, steps=11, sharding="file"))
+    assert len(set(ids)) == len(ids) == 88
+    assert set(np.searchsorted(starts, ids, side="right") - 1) == set(
+        range(host, len(COUNTS), 2)), host
+  # Fewer files than hosts, or a source the rewrite cannot deal out:
+  # auto reads everything on every host; file is one line.
+  assert sharding.resolve_sharding(own, "auto", 7, seed=1) == "batch"
+  zipped = _hand_built(root, zipped=True)
+  assert sharding.resolve_sharding(zipped, "auto", 2, seed=1) == "batch"
+  with pytest.raises(ConfigError, match=r"TF's auto-shard rewrite cannot "
+                     r"deal own's files out to 2 hosts \(Found an "
+                     r"unshardable source.*Received: input_sharding=file"):
+    sharding.resolve_sharding(zipped, "file", 2, seed=1)
 
 
 def test_file_sharding_of_cached_uneven_hosts_is_refused(root, tmp_path):

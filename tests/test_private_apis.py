@@ -294,3 +294,22 @@ def test_the_service_splits_the_sources_tfdist_names():
                 numbers.apply(tf.data.experimental.assert_cardinality(8))]
   assert [sources.splits_by_source(d) for d in split] == [True] * 6, VERSIONS
   assert not any(sources.splits_by_source(d) for d in kept_whole), VERSIONS
+
+
+def test_the_auto_shard_rewrite_deals_out_a_pipelines_files(tmp_path):
+  """tfdist.data.sharding.files_of_host: TF's _AutoShardDataset with the
+  FILE policy gives host h of 2 files h, h + 2 of a TFRecordDataset's
+  list, and fails on host 0 when there are fewer files than hosts (what
+  --input_sharding=auto tries)."""
+  from tfdist.data import sharding  # pylint: disable=g-import-not-at-top
+  paths = [str(tmp_path / f"part-{f}") for f in range(3)]
+  for number, path in enumerate(paths):
+    with tf.io.TFRecordWriter(path) as out:
+      out.write(str(number).encode())
+  pipeline = tf.data.TFRecordDataset(paths)
+  dealt = [[int(r) for r in sharding.files_of_host(pipeline, 2, host)]
+           for host in range(2)]
+  assert dealt == [[0, 2], [1]], VERSIONS
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match="Could not apply FILE based sharding"):
+    list(sharding.files_of_host(pipeline, 4, 0))

@@ -162,6 +162,16 @@ def jittered():
                          augment=jitter, num_classes=NUM_CLASSES)
 
 
+def hand_built():
+  """The same files as data(), read by a tf.data pipeline of the user's
+  own (train, eval)."""
+  root = os.environ[FILES_ENV]
+  return tuple(
+      tf.data.TFRecordDataset(sorted(tf.io.gfile.glob(
+          f"{root}/{split}-*.tfrecord"))).map(parse)
+      for split in ("train", "eval"))
+
+
 def one_file_short():
   """data() on all workers but worker 1, which does not see the last
   train file (a local disk, or a shard still being written)."""

@@ -160,8 +160,9 @@ OPTIONS = (
           "of it and keeps 1/N of each global batch (the same batches on any "
           "host count). file: each host reads only its own files, 1/N of "
           "the bytes. auto: file for data streamed from files (a "
-          "tfdist.FileData, a large tfds dataset) when there are at least "
-          "as many files as hosts; batch otherwise.", "task"),
+          "tfdist.FileData, a large tfds dataset, a pipeline of your own "
+          "whose files TF's auto-shard rewrite finds) when there are at "
+          "least as many files as hosts; batch otherwise.", "task"),
     _o("cache", "auto", "What is cached of data read from files. auto: in "
        "memory when its files take at most 64 MiB, else streamed. memory, "
        "off, or a path prefix for cache files (one per host and split). "

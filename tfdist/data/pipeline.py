@@ -119,11 +119,12 @@ def _batches(source, num_examples, seed, start_example, batch_size,
 
 
 def _stream_batches(dataset, seed, start_example, batch_size, buffer,
-                    slice_of):
+                    slice_of, own_files=(1, 0)):
   """A user's pipeline over files of unknown size: epochs end when its
   files do, so a resume reads its way to `start_example`. Without a
   seed (asynchronous workers, each in an order of its own) there is no
-  place to get back to: nothing is skipped."""
+  place to get back to: nothing is skipped. `own_files` (hosts, host):
+  only that host's files of the pipeline (file sharding)."""
   if seed is None:
     start_example = 0
   if start_example:
@@ -132,13 +133,15 @@ def _stream_batches(dataset, seed, start_example, batch_size, buffer,
                     "without rereading).", dataset.name, start_example)
 
   def one_epoch(epoch):
-    return randomness.shuffle(dataset.train_source(), buffer,
-                              randomness.seed_of(seed, epoch))
+    source = dataset.train_source()
+    if own_files[0] > 1:
+      source = sharding_lib.files_of_host(source, *own_files)
+    return randomness.shuffle(source, buffer, randomness.seed_of(seed, epoch))
   examples = tf.data.Dataset.range(order.FOREVER).flat_map(one_epoch)
   return _own_batches(examples.skip(start_example),
-                      prepare=(None, dataset.augment), seed=seed, stream=0,
-                      start=start_example, batch_size=batch_size,
-                      slice_of=slice_of)
+                      prepare=(None, dataset.augment), seed=seed,
+                      stream=own_files[1], start=start_example,
+                      batch_size=batch_size, slice_of=slice_of)
 
 
 def _planned_batches(dataset, seed, hosts, host, start_example, batch_size,
@@ -233,6 +236,9 @@ def _file_batches(dataset, policy, seed, hosts, host, start, per_host,
   if policy.planned:
     return _planned_batches(dataset, seed, hosts, host, start, per_host,
                             buffer)
+  if dataset.train_files is None:  # A pipeline built by hand.
+    return _stream_batches(dataset, seed, start, per_host, buffer, (1, 0),
+                           own_files=(hosts, host))
   source, num_examples = dataset.train_files(hosts, host)
   # Every host's epoch is as long as the shortest host's, so that hosts
   # stay in the same epoch (each leaves out other examples each epoch).
@@ -281,6 +287,21 @@ class Inputs:
   record_counts: Optional[dict] = None
 
 
+def _unplanned_on_workers(dataset, sharding, policy, cache):
+  """Parameter-server workers shard by file only a FileData streamed in
+  its plan: `batch` (each reads all, in an order of its own), or a line
+  for `file`."""
+  if sharding != "file":
+    return "batch"
+  what = ("a pipeline built by hand" if sharding_lib.hand_built(dataset)
+          else cache_lib.describe(policy.cache, dataset))
+  raise ConfigError(
+      "--input_sharding=file on parameter-server workers takes a "
+      f"tfdist.FileData streamed from its files; {dataset.name} is {what}. "
+      "Use --cache=off with a FileData, or --input_sharding=batch. "
+      f"Received: input_sharding=file, cache={cache}")
+
+
 def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
                         seed, eval_steps_requested=0, sharding="batch",
                         num_hosts=1, cache="auto",
@@ -291,12 +312,8 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
   read all the data each in an order of its own, or (file sharding) each
   its own files in the run's plan."""
   policy = cache_lib.Policy.of(dataset, cache)
-  if asynchronous and sharding == "file" and not policy.planned:
-    raise ConfigError(
-        "--input_sharding=file on parameter-server workers takes files "
-        f"streamed as they are read, but {dataset.name} is "
-        f"{cache_lib.describe(policy.cache, dataset)}. Use --cache=off or "
-        f"--input_sharding=batch. Received: cache={cache}")
+  if asynchronous and not policy.planned:
+    sharding = _unplanned_on_workers(dataset, sharding, policy, cache)
   mode = sharding_lib.resolve_sharding(dataset, sharding, num_hosts,
                                        seed=seed, streamed=policy.planned)
   if not dataset.in_memory:

@@ -2,7 +2,10 @@
 keeps its slice of each global batch) or `file` (each host reads only its
 own files)."""
 
+import re
+
 import tensorflow as tf
+from tensorflow.python.data.experimental.ops import distribute as tf_distribute  # pylint: disable=g-direct-tensorflow-import
 
 from tfdist.data import order
 from tfdist.errors import ConfigError
@@ -18,10 +21,13 @@ def resolve_sharding(dataset, sharding, num_hosts, *, seed, streamed=False):
 
   auto: `file` for data streamed from files when every host can have a
   file of its own and the run's first epochs (`seed`) leave out at most
-  MAX_LEFT_OUT of the records; `batch` otherwise, which keeps global
-  batch k the same on any number of hosts (cached data costs nothing to
-  read again).
+  MAX_LEFT_OUT of the records, or for a pipeline built by hand in which
+  TF's auto-shard rewrite finds a file for each host; `batch` otherwise,
+  which keeps global batch k the same on any number of hosts (cached
+  data costs nothing to read again).
   """
+  if hand_built(dataset) and num_hosts > 1 and sharding != "batch":
+    return _hand_built_sharding(dataset, sharding, num_hosts)
   if sharding == "auto":
     return "file" if streamed and num_hosts > 1 and (
         dataset.num_train_files >= num_hosts) and _left_out(
@@ -35,6 +41,43 @@ def resolve_sharding(dataset, sharding, num_hosts, *, seed, streamed=False):
   if sharding == "file" and not streamed and num_hosts > 1:
     _check_fixed_files(dataset, num_hosts)
   return sharding
+
+
+def hand_built(dataset):
+  """A user's own tf.data pipeline that reads files (not a FileData)."""
+  return not dataset.in_memory and dataset.file_split is None and (
+      dataset.train_files is None)
+
+
+def files_of_host(pipeline, hosts, host):
+  """A hand-built `pipeline` that reads files, with host `host`'s files of
+  `hosts` only: TF's own auto-shard rewrite, as experimental_distribute_
+  dataset applies it (FILE policy), finds its list of files and deals it
+  out. Private (tests/test_private_apis.py)."""
+  options = tf.data.Options()
+  options.experimental_distribute.auto_shard_policy = (
+      tf.data.experimental.AutoShardPolicy.FILE)
+  return tf_distribute._AutoShardDataset(  # pylint: disable=protected-access
+      pipeline.with_options(options), hosts, host)
+
+
+def _hand_built_sharding(dataset, sharding, num_hosts):
+  """`file` when TF's rewrite finds at least a file per host (tried on
+  host 0, which fails when there are fewer), `batch` for auto otherwise;
+  `file` refused in one line."""
+  try:
+    for _ in files_of_host(dataset.train_source(), num_hosts, 0).take(1):
+      pass
+    return "file"
+  except tf.errors.OpError as e:
+    if sharding == "auto":
+      return "batch"
+    raise ConfigError(
+        f"--input_sharding=file: TF's auto-shard rewrite cannot deal "
+        f"{dataset.name}'s files out to {num_hosts} hosts ("
+        f"{_tf_reason(e)}). Use --input_sharding=batch (or "
+        f"auto), or a tfdist.FileData. Received: input_sharding=file with "
+        f"{num_hosts} hosts") from None
 
 
 def _fixed_left_out(dataset, num_hosts):
@@ -72,9 +115,20 @@ def _left_out(dataset, num_hosts, seed):
           else 0.0)
 
 
+def _tf_reason(error):
+  """TF's own words, without the function name and the link."""
+  line = re.sub(r"\{\{[^}]*\}\}\s*", "", str(error).splitlines()[0])
+  return line.split(": goo.gle")[0].strip()[:200]
+
+
 def describe(dataset, mode, sharding, num_hosts, streamed, seed):
   """The log line's reason for the sharding a run uses."""
   files = dataset.num_train_files
+  if mode == "file" and hand_built(dataset):
+    return ("each host reads only its own files of this hand-built "
+            "pipeline (dealt out by TF's auto-shard rewrite); tfdist does "
+            "not know their sizes, so hosts' epochs may differ in length, "
+            "and a global batch depends on the number of hosts")
   if mode == "file":
     left_out = (_left_out(dataset, num_hosts, seed) if streamed
                 else _fixed_left_out(dataset, num_hosts))
@@ -87,8 +141,9 @@ def describe(dataset, mode, sharding, num_hosts, streamed, seed):
   if sharding == "auto":
     if not streamed:
       why = (" (the data is in memory or cached)" if dataset.file_split
-             or dataset.in_memory else " (a dataset built by hand: tfdist "
-             "does not know its files)")
+             or dataset.in_memory else " (a dataset built by hand in "
+             "which TF's auto-shard rewrite finds fewer files than hosts, "
+             "or none)")
     elif files < num_hosts:
       why = (f" ({files} train file(s) for {num_hosts} hosts: too few for "
              "one each)")

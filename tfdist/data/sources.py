@@ -172,10 +172,9 @@ def from_user(name, train, test):
   streamed, test_streamed = reads_files(train), reads_files(test)
   if streamed:
     logging.info(
-        "%s reads files: streamed, not cached. Every host reads all of it "
-        "and a resume reads up to its position again; return a "
-        "tfdist.FileData for sharding by file and a resume that rereads "
-        "nothing.", name)
+        "%s reads files: streamed, not cached. A resume reads up to its "
+        "position again; return a tfdist.FileData for a resume that "
+        "rereads nothing and hosts' epochs kept in step.", name)
   num_train = _train_size(name, train, streamed)
   return Dataset(name=name, num_train_examples=num_train,
                  num_test_examples=_count_streamed(name, test)
