@@ -4,14 +4,16 @@ strategy, several cases in one process, and prints one line per case.
 python tests/strategy_checks.py mirrored N CASE...     # N logical CPUs
 python tests/strategy_checks.py multi_worker CASE...   # under a TF_CONFIG
 
-CASE is `collectives` or `sharded:OPTIMIZER:CLIP_NORM`. One process runs
+CASE is `collectives` or `sharded:OPTIMIZER:CLIP_NORM[:BUCKET]` (BUCKET:
+elements per collective; one bucket by default). One process runs
 every case of a strategy: the logical CPUs are fixed at start-up, and a
 process holds one MultiWorkerMirroredStrategy.
 
 collectives: every replica holds its own random float32 vector of an odd
 length (so the last shard is padded). The shard each replica gets from
-reduce_scatter must be its rank's slice of the all-reduced sum, and the
-all-gather of the shards must be that whole sum, on every replica.
+reduce_scatter must be its rank's pieces of the all-reduced sum (piece r
+of each bucket), and the all-gather of the shards must be that whole sum,
+on every replica: in one bucket, and in buckets of 100 elements.
 
 sharded: the same small model and batches train 8 steps on one device
 (Keras's own apply) and with the sharded update on N replicas; the
@@ -40,9 +42,10 @@ def make_strategy(kind, replicas):
       [f"/cpu:{i}" for i in range(replicas)])
 
 
-def check_collectives(strategy):
+def check_collectives(strategy, bucket_elements):
   from tfdist import collectives  # pylint: disable=g-import-not-at-top
-  shards = collectives.ShardCollectives(strategy, length=LENGTH)
+  shards = collectives.ShardCollectives(strategy, length=LENGTH,
+                                        bucket_elements=bucket_elements)
 
   @tf.function
   def check():
@@ -51,11 +54,15 @@ def check_collectives(strategy):
       mine = tf.random.stateless_normal(
           [LENGTH], seed=[7, context.replica_id_in_sync_group])
       total = context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
-      shard = shards.reduce_scatter(mine)
+      shard = shards.reduce_scatter(lambda start, end: tf.pad(
+          mine, [[0, shards.num_buckets * shards.bucket - LENGTH]])[
+              start:end])
       rank = shards.rank()
-      padded = tf.pad(total, [[0, shards.shard_size * shards.num_shards -
+      padded = tf.pad(total, [[0, shards.num_buckets * shards.bucket -
                                LENGTH]])
-      expected = tf.reshape(padded, [shards.num_shards, -1])[rank]
+      expected = tf.reshape(tf.reshape(padded, [
+          shards.num_buckets, shards.num_shards, shards.piece])[:, rank],
+                            [-1])
       return (tf.reduce_max(tf.abs(shard - expected)),
               tf.reduce_max(tf.abs(shards.all_gather(shard) - total)),
               rank)
@@ -65,9 +72,10 @@ def check_collectives(strategy):
       strategy.experimental_local_results(x) for x in check())
   worst = max(float(np.max(e)) for e in (*shard_error, *gather_error))
   assert worst < 1e-5, f"max error {worst}"
-  print(f"collectives ok: {shards.num_shards} replicas, shard_size "
-        f"{shards.shard_size}, ranks {[int(r) for r in ranks]}, max error "
-        f"{worst:.2g}", flush=True)
+  print(f"collectives ok: {shards.num_shards} replicas, "
+        f"{shards.num_buckets} bucket(s), shard_size {shards.shard_size}, "
+        f"ranks {[int(r) for r in ranks]}, max error {worst:.2g}",
+        flush=True)
 
 
 def _model():
@@ -116,7 +124,7 @@ def _one_device(make_optimizer, clip):
   return [v.numpy() for v in model.trainable_variables], optimizer
 
 
-def _train_sharded(strategy, make_optimizer, clip):
+def _train_sharded(strategy, make_optimizer, clip, bucket_elements):
   from tfdist import sharded_optimizer  # pylint: disable=g-import-not-at-top
   features, labels = _batches()
   loss_fn = _loss_fn()
@@ -125,7 +133,8 @@ def _train_sharded(strategy, make_optimizer, clip):
     model = _model()
   update = sharded_optimizer.ShardedUpdate(
       strategy=strategy, variables=model.trainable_variables,
-      make_optimizer=make_optimizer, clip_norm=clip)
+      make_optimizer=make_optimizer, clip_norm=clip,
+      bucket_elements=bucket_elements)
 
   @tf.function
   def step(x, y):
@@ -146,12 +155,13 @@ def _train_sharded(strategy, make_optimizer, clip):
   return model, update
 
 
-def check_sharded(strategy, name, clip):
+def check_sharded(strategy, name, clip, bucket_elements):
   from tfdist import sharded_optimizer  # pylint: disable=g-import-not-at-top
   make_optimizer = _optimizer_factory(name)
   reference, optimizer = _one_device(make_optimizer, clip)
   reference_slots = sharded_optimizer.slots(optimizer)
-  model, update = _train_sharded(strategy, make_optimizer, clip)
+  model, update = _train_sharded(strategy, make_optimizer, clip,
+                                 bucket_elements)
   for got, want in zip(model.trainable_variables, reference):
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
   replicas = strategy.num_replicas_in_sync
@@ -165,14 +175,15 @@ def check_sharded(strategy, name, clip):
     for rank, shard_optimizer in zip(update.ranks(), update.optimizers):
       np.testing.assert_allclose(
           sharded_optimizer.slots(shard_optimizer)[index].numpy(),
-          flat_slot[rank * update.shard_size:][:update.shard_size],
+          np.concatenate([flat_slot[start:end]
+                          for start, end in update.owned(rank)]),
           rtol=1e-5, atol=1e-7)
   state = sum(v.numpy().nbytes for v in sharded_optimizer.slots(
       update.optimizers[0]))
   whole = sum(v.numpy().nbytes for v in reference_slots)
   print(f"sharded ok: {replicas} replicas, {name}, clip {clip:g}, "
-        f"{slots_per_variable} slot(s), state per replica {state} of "
-        f"{whole} bytes", flush=True)
+        f"bucket {bucket_elements}, {slots_per_variable} slot(s), state "
+        f"per replica {state} of {whole} bytes", flush=True)
 
 
 def main(argv):
@@ -180,12 +191,15 @@ def main(argv):
   replicas = int(argv[1]) if kind == "mirrored" else 0
   cases = argv[2:] if kind == "mirrored" else argv[1:]
   strategy = make_strategy(kind, replicas)
+  from tfdist import collectives  # pylint: disable=g-import-not-at-top
   for case in cases:
     if case == "collectives":
-      check_collectives(strategy)
+      for bucket_elements in (collectives.BUCKET_ELEMENTS, 100):
+        check_collectives(strategy, bucket_elements)
     else:
-      _, name, clip = case.split(":")
-      check_sharded(strategy, name, float(clip))
+      _, name, clip, *bucket = case.split(":")
+      check_sharded(strategy, name, float(clip), int(bucket[0]) if bucket
+                    else collectives.BUCKET_ELEMENTS)
 
 
 if __name__ == "__main__":

@@ -17,15 +17,18 @@ import portpicker
 import pytest
 
 from conftest import ROOT
+from tfdist.collectives import BUCKET_ELEMENTS as ONE_BUCKET
 
 CHECK = os.path.join(ROOT, "tests", "strategy_checks.py")
 # tests/strategy_checks.py's sharded cases: 8 steps of a cosine schedule
 # with warmup; the weights and every slot against Keras's own update on
 # one device.
-MIRRORED_CASES = {2: ["collectives", "sharded:adam:0.0"],
+MIRRORED_CASES = {2: ["collectives", "sharded:adam:0.0",
+                      "sharded:adam:0.0:40"],
                   4: ["collectives", "sharded:momentum:0.5",
-                      "sharded:adamw:0.3"]}
-TWO_WORKER_CASES = ["collectives", "sharded:adam:0.5", "sharded:momentum:0.5"]
+                      "sharded:adamw:0.3:40"]}
+TWO_WORKER_CASES = ["collectives", "sharded:adam:0.5:40",
+                    "sharded:momentum:0.5"]
 
 
 def _lines(proc, prefix):
@@ -92,38 +95,47 @@ def two_worker_runs():
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_reduce_scatter_and_all_gather_on_mirrored(replicas, mirrored_runs):
   lines = _lines(mirrored_runs(replicas), "collectives ok:")
-  assert lines and f"{replicas} replicas" in lines[0]
+  assert [l.split(", shard_size")[0] for l in lines] == [
+      f"collectives ok: {replicas} replicas, {buckets} bucket(s)"
+      for buckets in (1, 11)]
 
 
 def test_reduce_scatter_and_all_gather_on_two_workers(two_worker_runs):
   ranks = set()
   for result in two_worker_runs:
     lines = _lines(result, "collectives ok:")
-    assert lines and "2 replicas" in lines[0]
+    assert [l.split(", shard_size")[0] for l in lines] == [
+        "collectives ok: 2 replicas, 1 bucket(s)",
+        "collectives ok: 2 replicas, 11 bucket(s)"], lines
     ranks.add(lines[0].split("ranks ")[1].split("]")[0])
   assert ranks == {"[0", "[1"}  # Each worker holds its own shard.
 
 
-def _assert_sharded(proc, replicas, optimizer, clip):
+def _assert_sharded(proc, replicas, optimizer, clip, bucket=None):
+  """`bucket`: elements per collective (None: one bucket)."""
   [line] = [l for l in _lines(proc, "sharded ok:")
-            if f", {optimizer}, clip {clip}," in l]
+            if f", {optimizer}, clip {clip}, bucket "
+            f"{bucket or ONE_BUCKET}," in l]
   assert f"{replicas} replicas" in line
   held, whole = (int(n) for n in
                  line.split("state per replica ")[1].split(" bytes")[0]
                  .split(" of "))
   slots = 2 if optimizer.startswith("adam") else 1
-  # 1/N of the state, up to the padding of the flat buffer (< N elements).
-  assert 0 <= held * replicas - whole < replicas * 4 * slots, line
+  # 1/N of the state, up to the padding of the flat buffer's last bucket
+  # (< N elements in one bucket, < a bucket in several).
+  padding = replicas if bucket is None else int(bucket) + replicas
+  assert 0 <= held * replicas - whole < padding * 4 * slots, line
 
 
-@pytest.mark.parametrize("replicas,optimizer,clip", [
-    (2, "adam", "0"), (4, "momentum", "0.5"), (4, "adamw", "0.3")])
+@pytest.mark.parametrize("replicas,optimizer,clip,bucket", [
+    (2, "adam", "0", None), (2, "adam", "0", 40), (4, "momentum", "0.5", None),
+    (4, "adamw", "0.3", 40)])
 def test_sharded_update_gives_one_devices_weights_and_slots(
-    replicas, optimizer, clip, mirrored_runs):
-  _assert_sharded(mirrored_runs(replicas), replicas, optimizer, clip)
+    replicas, optimizer, clip, bucket, mirrored_runs):
+  _assert_sharded(mirrored_runs(replicas), replicas, optimizer, clip, bucket)
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
-def test_sharded_update_on_two_workers(optimizer, two_worker_runs):
+@pytest.mark.parametrize("optimizer,bucket", [("adam", 40), ("momentum", None)])
+def test_sharded_update_on_two_workers(optimizer, bucket, two_worker_runs):
   for result in two_worker_runs:
-    _assert_sharded(result, 2, optimizer, "0.5")
+    _assert_sharded(result, 2, optimizer, "0.5", bucket)

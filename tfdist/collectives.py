@@ -39,11 +39,22 @@ def mirrored_with_collectives(devices):
           options=tf.distribute.experimental.CommunicationOptions()))
 
 
-class ShardCollectives:
-  """Reduce-scatter and all-gather over `strategy`'s replicas, for
-  buffers of `length` elements (padded to a multiple of the replicas)."""
+# Elements of the flat buffer one reduce-scatter or all-gather carries:
+# 32 MiB of float32. Buckets run one after another, so the step holds the
+# buffers of one bucket, not of the whole model.
+BUCKET_ELEMENTS = 8 * 2**20
 
-  def __init__(self, strategy, *, length):
+
+class ShardCollectives:
+  """Reduce-scatter and all-gather over `strategy`'s replicas, for a flat
+  buffer of `length` elements, in buckets of about `bucket_elements`.
+
+  Bucket b holds elements [b * N * s, (b + 1) * N * s) of the buffer
+  (padded with zeros past `length`); rank r holds elements
+  [b * N * s + r * s, b * N * s + (r + 1) * s) of each bucket: its shard
+  is those pieces, bucket after bucket (`owned`)."""
+
+  def __init__(self, strategy, *, length, bucket_elements=BUCKET_ELEMENTS):
     launchers = getattr(getattr(strategy.extended, "_cross_device_ops",
                                 None), "_launchers", None)
     if not launchers:
@@ -55,10 +66,24 @@ class ShardCollectives:
           f"{type(getattr(strategy.extended, '_cross_device_ops', None)).__name__}")
     if length < 1:
       raise ValueError(f"length must be >= 1. Received: length={length}")
+    if bucket_elements < 1:
+      raise ValueError("bucket_elements must be >= 1. Received: "
+                       f"bucket_elements={bucket_elements}")
     self._launchers = launchers
     self.num_shards = strategy.num_replicas_in_sync
     self.length = length
-    self.shard_size = math.ceil(length / self.num_shards)
+    # Elements of each bucket a rank holds.
+    self.piece = math.ceil(min(length, bucket_elements) / self.num_shards)
+    self.bucket = self.piece * self.num_shards
+    self.num_buckets = math.ceil(length / self.bucket)
+    self.shard_size = self.num_buckets * self.piece
+
+  def owned(self, rank):
+    """[(start, end)] of the flat buffer that shard `rank` holds, in
+    order (a Python int rank)."""
+    return [(b * self.bucket + rank * self.piece,
+             b * self.bucket + (rank + 1) * self.piece)
+            for b in range(self.num_buckets)]
 
   def _launcher(self):
     context = tf.distribute.get_replica_context()
@@ -74,20 +99,38 @@ class ShardCollectives:
                 launcher._next_instance_key(),  # pylint: disable=protected-access
                 ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
 
-  def reduce_scatter(self, flat):
+  def reduce_scatter(self, read):
     """This replica's shard (shard_size elements) of the sum over
-    replicas of `flat` (length elements)."""
-    padding = self.shard_size * self.num_shards - self.length
-    rows = tf.reshape(tf.pad(flat, [[0, padding]]),
-                      [self.num_shards, self.shard_size])
-    received = self._run(collective_ops.all_to_all_v2, rows)
-    return tf.reduce_sum(received, axis=0)
+    replicas of the flat buffer; `read(start, end)` gives this replica's
+    elements [start, end) of it (zeros past `length`). A bucket is read
+    only once the one before it is summed: TF's executor would otherwise
+    read them all at once."""
+    pieces = []
+    for b in range(self.num_buckets):
+      with tf.control_dependencies(pieces[-1:]):
+        rows = tf.reshape(read(b * self.bucket, (b + 1) * self.bucket),
+                          [self.num_shards, self.piece])
+      received = self._run(collective_ops.all_to_all_v2, rows)
+      pieces.append(tf.reduce_sum(received, axis=0))
+    return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0)
+
+  def gathered_buckets(self, shard):
+    """Every replica's shard, gathered bucket by bucket: the flat buffer
+    cut into num_buckets pieces of `bucket` elements, each gathered once
+    the one before it is."""
+    buckets = []
+    for b in range(self.num_buckets):
+      with tf.control_dependencies(buckets[-1:]):
+        mine = shard[b * self.piece:(b + 1) * self.piece]
+      buckets.append(self._run(collective_ops.all_gather_v2, mine))
+    return buckets
 
   def all_gather(self, shard):
-    """Every replica's shard, in rank order: the flat buffer (length
-    elements) on every replica."""
-    gathered = self._run(collective_ops.all_gather_v2, shard)
-    return gathered[:self.length]
+    """The flat buffer (length elements) on every replica, from each
+    replica's shard."""
+    buckets = self.gathered_buckets(shard)
+    whole = buckets[0] if len(buckets) == 1 else tf.concat(buckets, axis=0)
+    return whole[:self.length]
 
   def rank(self):
     """Which shard this replica holds: its rank in the collective group."""

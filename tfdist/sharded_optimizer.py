@@ -2,15 +2,19 @@
 keeps the optimizer state of 1/N of the weights.
 
 One step, in a replica context:
-1. every trainable gradient of this replica (not yet summed) goes into one
-   flat buffer, in the order of the variables;
+1. every trainable gradient of this replica (not yet summed) is read as
+   one flat buffer, in the order of the variables, bucket by bucket;
 2. the reduce-scatter (tfdist.collectives) leaves this replica the sum
-   over the replicas of its shard of that buffer: 1/N of it;
+   over the replicas of its shard of that buffer: 1/N of each bucket;
 3. this replica's own Keras optimizer updates its shard of the weights
    with its shard of the state (clipping, if asked, by the global norm of
    the summed gradient, which one scalar all-reduce gives);
-4. the all-gather of the updated shards gives every replica the whole new
-   weights, assigned to the model's mirrored variables in one merge_call.
+4. the all-gather of the updated shards, bucket by bucket, gives every
+   replica the whole new weights, assigned to the model's mirrored
+   variables in one merge_call.
+The buckets (32 MiB) bound what the collectives hold at once: one flat
+buffer of the whole model took 3.4-3.7x a single device's memory growth
+(tools.bench_replica_memory).
 
 The optimizers of tfdist's table (SGD, momentum, Adam, AdamW, RMSprop) are
 element-wise, so a flat shard is updated exactly as the same elements of
@@ -88,7 +92,7 @@ class ShardedUpdate:
   the shards are one variable per device, not mirrored ones."""
 
   def __init__(self, *, strategy, variables, make_optimizer, clip_norm=0.0,
-               optimizer=None):
+               optimizer=None, bucket_elements=collectives.BUCKET_ELEMENTS):
     if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
       raise RuntimeError("ShardedUpdate must be built outside the "
                          "strategy's scope: its shards are per device.")
@@ -96,7 +100,7 @@ class ShardedUpdate:
     self._variables = list(variables)
     self._layout = flat_layout.FlatLayout([v.shape for v in self._variables])
     self._collectives = collectives.ShardCollectives(
-        strategy, length=self._layout.size)
+        strategy, length=self._layout.size, bucket_elements=bucket_elements)
     self._clip_norm = clip_norm
     self._optimizer = optimizer
     _check_slot_layout(make_optimizer)
@@ -124,22 +128,17 @@ class ShardedUpdate:
   def num_shards(self):
     return self._collectives.num_shards
 
+  def owned(self, rank):
+    """[(start, end)] of the flat state that shard `rank` holds."""
+    return self._collectives.owned(rank)
+
   def _shard_of(self, tensors, rank):
-    """Elements [rank * S, (rank + 1) * S) of the concatenation of
-    `tensors` (zeros past its end), read from the tensors that overlap
-    them only: the rank is fixed, so the slices are too."""
-    size = self._collectives.shard_size
-    start, end = rank * size, (rank + 1) * size
-    pieces, offset = [], 0
-    for tensor, count in zip(tensors, self._layout.sizes):
-      low, high = max(start, offset), min(end, offset + count)
-      if low < high:
-        pieces.append(tf.reshape(tensor, [-1])[low - offset:high - offset])
-      offset += count
-    covered = max(min(end, offset) - start, 0)
-    if covered < size:
-      pieces.append(tf.zeros([size - covered]))
-    return tf.concat(pieces, axis=0)
+    """Shard `rank` of the concatenation of `tensors` (zeros past its
+    end), read from the tensors that overlap it only: the rank is fixed,
+    so the slices are too."""
+    pieces = [self._layout.read(tensors, start, end)
+              for start, end in self._collectives.owned(rank)]
+    return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0)
 
   def apply(self, grads):
     """Applies this replica's `grads` (one per variable, not summed over
@@ -153,8 +152,9 @@ class ShardedUpdate:
     context = tf.distribute.get_replica_context()
     local = context._replica_id_in_sync_group % len(self.shards)  # pylint: disable=protected-access
     shards = self._collectives
-    summed = shards.reduce_scatter(self._layout.flatten(
-        [tf.convert_to_tensor(g) for g in grads]))
+    grads = [tf.convert_to_tensor(g) for g in grads]
+    summed = shards.reduce_scatter(
+        lambda start, end: self._layout.read(grads, start, end))
     if self._clip_norm:
       # As tf.clip_by_global_norm, on the summed gradient: the shards'
       # squared norms add up to the whole's.
@@ -176,7 +176,8 @@ class ShardedUpdate:
     optimizer.iterations.assign_add(1)
     if self._optimizer is not None:
       self._optimizer.iterations.assign_add(1)
-    new = self._layout.unflatten(shards.all_gather(shard.read_value()))
+    new = self._layout.unflatten_pieces(
+        shards.gathered_buckets(shard.read_value()), shards.bucket)
 
     def assign(strategy, values):
       for variable, value, update in zip(self._variables, values, reached):
@@ -312,11 +313,12 @@ class ShardedUpdate:
       for k in range(count):
         flat = self._layout.flatten_numpy(
             [self.restored[(v, k)] for v in range(len(self._variables))])
-        flat = np.pad(flat, [0, self.shard_size * self.num_shards -
-                             flat.size])
+        flat = np.pad(flat, [0, self._collectives.num_buckets *
+                             self._collectives.bucket - flat.size])
         for rank, optimizer in zip(self._ranks, self.optimizers):
-          slots(optimizer)[k].assign(
-              flat[rank * self.shard_size:][:self.shard_size])
+          slots(optimizer)[k].assign(np.concatenate([
+              flat[start:end]
+              for start, end in self._collectives.owned(rank)]))
       self.restored = {}
     if self._optimizer is not None:
       for optimizer in self.optimizers:
