@@ -155,6 +155,30 @@ def _train_sharded(strategy, make_optimizer, clip, bucket_elements):
   return model, update
 
 
+def _check_save_and_restore(update, reference_slots, per_variable):
+  """What a checkpoint saves is each slot whole, as one device's; what a
+  restore scatters gives each shard its pieces again."""
+  from tfdist import sharded_optimizer  # pylint: disable=g-import-not-at-top
+  before = [sharded_optimizer.slots(o)[k].numpy()
+            for o in update.optimizers for k in range(per_variable)]
+  with update.saving():
+    for index, want in enumerate(reference_slots):
+      got = update.whole_slot(index // per_variable, index % per_variable)
+      np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5,
+                                 atol=1e-7)
+  for optimizer in update.optimizers:
+    for slot in sharded_optimizer.slots(optimizer):
+      slot.assign(tf.zeros_like(slot))
+  update.restored = {(index // per_variable, index % per_variable):
+                     want.numpy()
+                     for index, want in enumerate(reference_slots)}
+  update.scatter_restored()
+  after = [sharded_optimizer.slots(o)[k].numpy()
+           for o in update.optimizers for k in range(per_variable)]
+  for got, want in zip(after, before):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 def check_sharded(strategy, name, clip, bucket_elements):
   from tfdist import sharded_optimizer  # pylint: disable=g-import-not-at-top
   make_optimizer = _optimizer_factory(name)
@@ -178,6 +202,7 @@ def check_sharded(strategy, name, clip, bucket_elements):
           np.concatenate([flat_slot[start:end]
                           for start, end in update.owned(rank)]),
           rtol=1e-5, atol=1e-7)
+  _check_save_and_restore(update, reference_slots, slots_per_variable)
   state = sum(v.numpy().nbytes for v in sharded_optimizer.slots(
       update.optimizers[0]))
   whole = sum(v.numpy().nbytes for v in reference_slots)

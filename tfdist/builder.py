@@ -1,21 +1,19 @@
 """Builds a Trainer's parts from a Config, a strategy and a Task.
 
-The model (placed per the model-parallel plan), the optimizer, the
-compiled loops and their runner, the checkpoint store, the summaries and
-the export: made here, then handed to tfdist.trainer.Trainer.
+The input, the model (tfdist.model_setup) and the optimizer, the compiled
+loops and their runner, the run's state (tfdist.state_setup: checkpoints,
+survivors, the chief's broadcast), the summaries, the best keeper and the
+export: made here, then handed to tfdist.trainer.Trainer.
 """
 
-import contextlib
 import dataclasses
 import functools
 
 from absl import logging
-import keras
 import tensorflow as tf
 
 from tfdist import best as best_lib
 from tfdist import callbacks as callbacks_lib
-from tfdist import checkpoints
 from tfdist import compiled_loops
 from tfdist import compression
 from tfdist import config as config_lib
@@ -26,181 +24,20 @@ from tfdist import devices
 from tfdist import ema
 from tfdist import evaluation
 from tfdist import metric_direction
+from tfdist import model_setup
 from tfdist import export
 from tfdist import optimizers
-from tfdist import placement
 from tfdist import preflight
 from tfdist import replica_check
 from tfdist import runners
 from tfdist import sharded_optimizer
+from tfdist import state_setup
 from tfdist import storage
 from tfdist import summaries as summaries_lib
-from tfdist import survivor as survivor_lib
 from tfdist import task as task_lib
 from tfdist import trainer as trainer_lib
 from tfdist import warm_start as warm_start_lib
 from tfdist.errors import ConfigError
-
-
-def _first_line(error):
-  return (str(error).splitlines() or [type(error).__name__])[0][:240]
-
-
-def _features(batch):
-  return batch[0]
-
-
-def _build_variables(model, example):
-  if isinstance(model, keras.Sequential) and not model.built:
-    placement.build_blocks(model.layers, example)
-  elif not model.built:
-    model(example)
-
-
-def _pipeline(config, task, model, example):
-  if not isinstance(model, keras.Sequential):
-    raise ConfigError(f"model {task.display_name!r} is not a chain of "
-                      "blocks (a keras.Sequential) and cannot be split into "
-                      "pipeline stages; use mlp or transformer, or build a "
-                      "keras.Sequential of named blocks.")
-  local = devices.local_devices()
-  # Build once where TF likes, only to weigh the blocks for the plan...
-  placement.build_blocks(model.layers, example)
-  sizes = [(b.name, placement.params(b)) for b in model.layers]
-  if config.placement:
-    plan = placement.plan_from_spec(placement.parse_spec(config.placement),
-                                    [name for name, _ in sizes])
-    placement.check_devices([s.device for s in plan.stages], local)
-  else:
-    plan = placement.auto_plan(sizes, local, config.num_stages)
-  # ...then again, from the same seed, with each block on its device.
-  keras.utils.set_random_seed(config.seed)
-  blocks = list(task.build_model().layers)
-  placement.build_blocks(blocks, example, plan)
-  pipelined = placement.PipelinedModel(
-      blocks, plan, config.num_microbatches,
-      name=f"{task.display_name.replace(':', '_')}_pipeline")
-  for line in placement.table(plan, {b.name: b for b in blocks}):
-    logging.info("placement %s", line)
-  return pipelined
-
-
-def build_model(config, task, sample):
-  """The task's model with its variables created, under the strategy.
-
-  Seeded here, just before the model is built: whatever ran before (a
-  dataset prepared on first use, a user's data function) may have drawn
-  from the global generators, and the same seed must give the same
-  weights whatever was on disk.
-  """
-  keras.utils.set_random_seed(config.seed)
-  model = task.build_model()
-  if not isinstance(model, keras.Model):
-    raise ConfigError(f"{task.display_name}.build_model() returned a "
-                      f"{type(model).__name__}, not a keras.Model.")
-  example = _features(sample)
-  if config.model_parallel == "pipeline":
-    return _pipeline(config, task, model, example)
-  try:
-    _build_variables(model, example)
-  except ConfigError:
-    raise
-  except Exception as e:  # Keras raises many types for mismatched inputs.
-    raise ConfigError(f"the dataset's features do not fit the model "
-                      f"{task.display_name!r}: {_first_line(e)}") from None
-  _warn_summed_variables(model, tf.distribute.get_strategy())
-  return model
-
-
-def _warn_summed_variables(model, strategy):
-  """Keras 3 updates a variable as assign(v + delta): with
-  aggregation="sum" the replicas' assigns are summed, so the variable is
-  multiplied by the replica count at each update."""
-  replicas = strategy.num_replicas_in_sync
-  # An on-read variable (a metric's) keeps a copy per replica: correct.
-  summed = [v.path for v in model.variables
-            if getattr(v, "aggregation", None) == "sum"
-            and getattr(v, "synchronization", None) != "on_read"]
-  if replicas > 1 and summed:
-    logging.warning(
-        "%s: aggregation=\"sum\" under %d replicas multiplies the value by "
-        "%d at each update (Keras assigns v + delta on every replica, and "
-        "the assigns are summed). For a count, use "
-        "aggregation=\"only_first_replica\" and add the global amount, or a "
-        "keras.metrics.Sum.", ", ".join(summed), replicas, replicas)
-
-
-def _synchronize_batchnorm(model):
-  """Makes every BatchNormalization layer all-reduce its batch statistics
-  (Keras reads `synchronized` at each call)."""
-  layers = [layer for layer in model._flatten_layers()  # pylint: disable=protected-access
-            if isinstance(layer, keras.layers.BatchNormalization)]
-  for layer in layers:
-    layer.synchronized = True
-  if layers:
-    logging.info("--sync_batchnorm: %d BatchNormalization layer(s) use the "
-                 "global batch's statistics.", len(layers))
-  else:
-    logging.warning("--sync_batchnorm: the model has no BatchNormalization "
-                    "layer; nothing to synchronize.")
-
-
-def check_model_fits_data(task, model, sample):
-  """Runs the model and the loss on a few examples, for one-line errors;
-  returns (labels, outputs)."""
-  features, labels = sample
-  try:
-    model(features, training=False)
-  except Exception as e:  # Keras raises many types for mismatched inputs.
-    raise ConfigError(f"the dataset's features do not fit the model "
-                      f"{task.display_name!r}: {_first_line(e)}") from None
-  try:
-    _, outputs = compiled_loops.loss_and_outputs(task, model, features,
-                                                 labels, training=False)
-  except ConfigError:
-    raise
-  except Exception as e:  # The loss may raise anything on bad labels.
-    raise ConfigError(f"the labels do not fit the loss of "
-                      f"{task.display_name!r}: {_first_line(e)}") from None
-  return labels, outputs
-
-
-def _check_integer_labels(labels):
-  """--class_weight needs one integer class per example."""
-  if not (isinstance(labels, tf.Tensor) and labels.dtype.is_integer and (
-      labels.shape.rank == 1 or (labels.shape.rank == 2
-                                 and labels.shape[-1] == 1))):
-    raise ConfigError(
-        "--class_weight needs one integer class label per example. "
-        f"Received: labels {getattr(labels, 'dtype', type(labels).__name__)}"
-        f" of shape {getattr(labels, 'shape', '?')} per batch")
-
-
-def _log_ps_placement(model):
-  """Bytes of model variables per parameter server."""
-  def task_of(weight):
-    spec = tf.DeviceSpec.from_string(weight.value.device)
-    return f"{spec.job}:{spec.task}"
-  names = {}
-  for weight in model.weights:
-    names.setdefault(task_of(weight), []).append(weight.path)
-  for task, size in devices.bytes_by(model.weights, task_of).items():
-    logging.info("placement %s: %d bytes in %d variable(s): %s", task, size,
-                 len(names[task]), ", ".join(names[task]))
-
-
-def _log_schedule_change(previous, schedule, step):
-  """A resume with another --train_steps moves a decay that runs to the
-  end (decay_steps 0): say what the rate was going to be and what it is."""
-  if previous is None or previous == schedule:
-    return
-  changed = ", ".join(f"{k} {previous.get(k)} -> {v}"
-                      for k, v in schedule.items() if previous.get(k) != v)
-  logging.warning(
-      "The learning-rate schedule changed on resume at step %d: %s. The "
-      "rate there is %.6g (the saved run's schedule gave %.6g).", step,
-      changed, optimizers.scheduled_rate(step, **schedule),
-      optimizers.scheduled_rate(step, **previous))
 
 
 def resolve_task(config, info, task=None):
@@ -238,39 +75,6 @@ def resolve_callbacks(config, given=None):
                         "keras.callbacks.Callback objects.")
     found.extend(made)
   return callbacks_lib.check(found)
-
-
-def _memory_per_device(model, optimizer, strategy, shard_optimizers=()):
-  """Logs the bytes of the variables and of the optimizer state on each
-  device (a mirrored copy counts on each replica's device); returns them
-  as startup scalars variable_bytes/<device>, optimizer_bytes/<device>."""
-  weights = devices.bytes_per_device(model.weights, strategy)
-  state = devices.bytes_per_device(
-      [*optimizer.variables,
-       *(v for o in shard_optimizers for v in o.variables)], strategy)
-  trainable = sum(devices.variable_bytes(w) for w in model.trainable_weights)
-  held = {d: (weights.get(d, 0), state.get(d, 0))
-          for d in sorted(set(weights) | set(state))}
-
-  def sizes(pair):
-    return (f"variables {pair[0] / 1e6:.2f} MB, optimizer state "
-            f"{pair[1] / 1e6:.2f} MB")
-
-  if len(set(held.values())) == 1:
-    pair = next(iter(held.values()))
-    where = (f"each of {len(held)} devices ({', '.join(held)})"
-             if len(held) > 1 else next(iter(held)))
-    logging.info("Memory on %s: %s (optimizer state %.1fx the trainable "
-                 "weights).", where, sizes(pair),
-                 pair[1] / max(trainable, 1))
-  else:
-    logging.info("Memory: %s.", "; ".join(
-        f"{d}: {sizes(pair)}" for d, pair in held.items()))
-  scalars = {}
-  for device, (variable_size, state_size) in held.items():
-    scalars[f"variable_bytes/{device}"] = variable_size
-    scalars[f"optimizer_bytes/{device}"] = state_size
-  return scalars
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,9 +122,9 @@ def _model_and_optimizer(config, info, task, sample):
   update that holds the optimizer's state instead."""
   strategy = info.strategy
   with strategy.scope():
-    model = build_model(config, task, sample)
+    model = model_setup.build_model(config, task, sample)
     if config.sync_batchnorm:
-      _synchronize_batchnorm(model)
+      model_setup.synchronize_batchnorm(model)
     schedule = optimizers.schedule_kwargs(config)
     optimizer = optimizers.create(
         config.optimizer, schedule=schedule, weight_decay=config.weight_decay,
@@ -348,10 +152,10 @@ def _model_and_optimizer(config, info, task, sample):
 
 
 def _loops(config, info, task, parts, sample, local):
-  example = check_model_fits_data(task, parts.model, sample)
+  example = model_setup.check_model_fits_data(task, parts.model, sample)
   class_weight = config_lib.class_weights(config.class_weight)
   if class_weight:
-    _check_integer_labels(sample[1])
+    model_setup.check_integer_labels(sample[1])
   return compiled_loops.LoopFunctions(
       strategy=info.strategy, model=parts.model, optimizer=parts.optimizer,
       task=task, metrics=compiled_loops.Metrics(task.metrics(),
@@ -378,56 +182,16 @@ def _measures_input_wait(info, local):
              for device in local)
 
 
-def _checkpoint_store(config, task, parts, write_dir, inputs):
-  sharded = parts.sharded
-  return checkpoints.CheckpointStore(
-      objects=dict(
-          model=parts.model, step=parts.global_step,
-          optimizer=sharded.checkpoint_view(
-              parts.optimizer, parts.model.trainable_variables) if sharded
-          else parts.optimizer),
-      optional=inputs.state,
-      saving=sharded.saving if sharded else contextlib.nullcontext,
-      model_dir=config.model_dir, write_dir=write_dir,
-      keep=config.keep_checkpoints,
-      signature=checkpoints.model_signature(
-          model_name=task.display_name, model=parts.model,
-          num_classes=getattr(task, "num_classes", None)),
-      run_record={"schedule": parts.schedule, "input": inputs.plan,
-                  "record_counts": inputs.record_counts})
-
-
 def _startup_scalars(info, parts):
   scalars = {}
   if info.name in ("multi_worker_mirrored", "parameter_server"):
     # An elastic job's size over time (tools.chaos --elastic, launch.local
     # --workers=MIN:MAX): one point per (re)start.
     scalars["workers"] = info.num_workers
-  scalars.update(_memory_per_device(
+  scalars.update(model_setup.memory_per_device(
       parts.model, parts.optimizer, info.strategy,
       shard_optimizers=parts.sharded.optimizers if parts.sharded else ()))
   return scalars
-
-
-def _after_restore_fn(config, parts, store):
-  def after_restore():
-    # PowerSGD's error buffers belong to the run that wrote the checkpoint.
-    parts.reducer.reset()
-    previous = store.previous_run or {}
-    step = int(parts.global_step.numpy())
-    _log_schedule_change(previous.get("schedule"), parts.schedule, step)
-    plan_change = data.describe_plan_change(previous.get("input"),
-                                            store.run_record.get("input"), step)
-    if plan_change:
-      logging.warning("%s", plan_change)
-    # A constant rate is a variable in the checkpoint; the flag given now
-    # wins. A schedule is a function of the restored step.
-    if (parts.schedule["schedule"] == "constant"
-        and not parts.schedule["warmup_steps"]):
-      parts.optimizer.learning_rate.assign(config.learning_rate)
-    if parts.sharded:
-      parts.sharded.scatter_restored()
-  return after_restore
 
 
 def _export_fn(config, task, parts, inputs, write_dir, *, trains):
@@ -493,42 +257,6 @@ def _best_and_callbacks(config, info, parts, store, metric_names, callbacks):
       sync=callbacks_lib.chief_values(info.strategy) if info.peers else None)
 
 
-def _run_state(parts, inputs):
-  """Every variable of the run's state, as the checkpoint holds it (the
-  model's weights, the optimizer's, the step and the input's own)."""
-  return [*parts.model.weights, *parts.optimizer.variables,
-          parts.global_step, *inputs.state.values()]
-
-
-def _survivor_state(config, info, parts, store, inputs):
-  """MultiWorkerMirrored: the state each survivor keeps of a lost peer
-  (tfdist.survivor), where one worker's copy is the whole state."""
-  if not (config.survivor_state and info.peers) or info.coordinator:
-    return None
-  if parts.sharded:
-    logging.info("--survivor_state: with --shard_optimizer no worker holds "
-                 "the whole optimizer state; a lost peer resumes from the "
-                 "last checkpoint.")
-    return None
-  return survivor_lib.SurvivorState(
-      variables=_run_state(parts, inputs),
-      step_variable=parts.global_step,
-      write=functools.partial(store.write_survivor, info.task_name),
-      task_name=info.task_name)
-
-
-def _chief_broadcast(info, parts, tracker, inputs):
-  """Multi-worker: every worker takes the chief's state after the
-  restore (no shared disk)."""
-  if not info.peers:
-    return None
-  return replica_check.ChiefBroadcast(
-      strategy=info.strategy, variables=[
-          *_run_state(parts, inputs),
-          *(tracker.variables if tracker else ())],
-      then=parts.sharded.share_restored if parts.sharded else None)
-
-
 @dataclasses.dataclass(frozen=True)
 class _RunParts:
   """What a training run and a sidecar evaluator are both made of."""
@@ -558,12 +286,12 @@ def _run_parts(config, info, task, *, write_dir, callbacks):
                                       info.task_name)
   parts = _model_and_optimizer(config, info, task, inputs.sample)
   loops = _loops(config, info, task, parts, inputs.sample, local)
-  store = _checkpoint_store(config, task, parts, write_dir, inputs)
+  store = state_setup.checkpoint_store(config, task, parts, write_dir, inputs)
   if info.coordinator:
-    _log_ps_placement(parts.model)
+    model_setup.log_ps_placement(parts.model)
   tracker, keras_callbacks = _best_and_callbacks(
       config, info, parts, store, loops.metrics.names, callbacks)
-  survivor = _survivor_state(config, info, parts, store, inputs)
+  survivor = state_setup.survivor_state(config, info, parts, store, inputs)
   # With callbacks, which may change the optimizer's variables (its
   # learning rate) after a call, the Trainer commits after them instead.
   runner = runners.create(info, loops, train_feed=config.train_feed,
@@ -618,10 +346,10 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
           replicas_per_worker=max(info.num_replicas // info.num_workers, 1))
                        if config.check_replicas_every else None),
       export_fn=run.export_fn,
-      after_restore=_after_restore_fn(config, parts, run.store),
+      after_restore=state_setup.after_restore_fn(config, parts, run.store),
       hparams=config.to_dict(),
       startup_scalars=_startup_scalars(info, parts),
-      chief_broadcast=_chief_broadcast(
+      chief_broadcast=state_setup.chief_broadcast(
           info, parts, run.keeper.tracker if run.keeper else None,
           run.inputs),
       callbacks=run.callbacks, best=run.keeper, survivor=run.survivor,

@@ -19,6 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import replica_check
 from tfdist.errors import ConfigError
 
 # Keras callbacks that cannot work here, and why.
@@ -150,13 +151,7 @@ def chief_values(strategy):
 
   @tf.function
   def from_chief(stop, rate):
-    def replica_fn():
-      context = tf.distribute.get_replica_context()
-      mine = tf.stack([stop, rate])
-      sent = tf.where(tf.equal(context.replica_id_in_sync_group, 0), mine,
-                      tf.zeros_like(mine))
-      return context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
-    return strategy.experimental_local_results(strategy.run(replica_fn))[0]
+    return replica_check.from_replica_zero(strategy, tf.stack([stop, rate]))
 
   def sync(stop, rate):
     values = from_chief(tf.constant(stop, tf.float32),

@@ -67,6 +67,19 @@ class ReplicaChecker:
             f"variable(s): {names}; training stopped.")
 
 
+def from_replica_zero(strategy, values, own=None):
+  """Replica 0's `values` on every replica: a SUM all-reduce to which
+  every other replica gives `own` (zeros by default, so the sum is
+  replica 0's; a flag each gives is summed onto it). Where strategy.run
+  may be called (a tf.function)."""
+  def replica_fn():
+    context = tf.distribute.get_replica_context()
+    sent = tf.where(tf.equal(context.replica_id_in_sync_group, 0), values,
+                    tf.zeros_like(values) if own is None else own)
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
+  return strategy.experimental_local_results(strategy.run(replica_fn))[0]
+
+
 class ChiefBroadcast:
   """Gives every worker replica 0's values of `variables` (the chief's).
 
@@ -99,14 +112,7 @@ class ChiefBroadcast:
     self._then = then
 
   def _reduced_piece(self, piece):
-    def from_replica_zero():
-      context = tf.distribute.get_replica_context()
-      is_source = tf.equal(context.replica_id_in_sync_group, 0)
-      return context.all_reduce(
-          tf.distribute.ReduceOp.SUM,
-          tf.where(is_source, piece, tf.zeros_like(piece)))
-    reduced = self._strategy.run(from_replica_zero)
-    return self._strategy.experimental_local_results(reduced)[0]
+    return from_replica_zero(self._strategy, piece)
 
   def run(self):
     """Assigns the chief's values here; returns the variables' paths that

@@ -8,7 +8,9 @@
   cache     what is cached: --cache
   counts    each file's records: given, kept from a run, or counted
   randomness  every random draw: shuffles, augmentation
-  pipeline  the train input function, and Inputs
+  pipeline  the train input function
+  inputs    Inputs, what the Trainer is handed: from a Dataset, the
+            service or a task's own input functions
   eval_input  the eval input function, padded and masked
   plan      what a run keeps of its input plan, and its changes
   agreement every worker sees the same files
@@ -18,14 +20,14 @@
 from tfdist.data.catalog import load
 from tfdist.data.files import FileData
 from tfdist.data.files import to_dataset as file_dataset
-from tfdist.data.pipeline import Inputs
+from tfdist.data.inputs import Inputs
 from tfdist.data.pipeline import SHUFFLE_BUFFER
 from tfdist.data.eval_input import SYNTHETIC_EVAL_STEPS
 from tfdist.data.eval_input import eval_input_fn
 from tfdist.data.eval_input import eval_steps
-from tfdist.data.pipeline import inputs_from_dataset
-from tfdist.data.pipeline import inputs_from_task
-from tfdist.data.pipeline import served_inputs
+from tfdist.data.inputs import inputs_from_dataset
+from tfdist.data.inputs import inputs_from_task
+from tfdist.data.inputs import served_inputs
 from tfdist.data.pipeline import train_input_fn
 from tfdist.data.plan import describe_plan_change
 from tfdist.data.sharding import resolve_sharding
