@@ -114,6 +114,12 @@ class ShardCollectives:
       pieces.append(tf.reduce_sum(received, axis=0))
     return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0)
 
+  def gather_bucket(self, shard, b):
+    """Bucket `b` of the flat buffer: every replica's piece of it, from
+    each replica's `shard`."""
+    return self._run(collective_ops.all_gather_v2,
+                     shard[b * self.piece:(b + 1) * self.piece])
+
   def gathered_buckets(self, shard):
     """Every replica's shard, gathered bucket by bucket: the flat buffer
     cut into num_buckets pieces of `bucket` elements, each gathered once
@@ -121,8 +127,7 @@ class ShardCollectives:
     buckets = []
     for b in range(self.num_buckets):
       with tf.control_dependencies(buckets[-1:]):
-        mine = shard[b * self.piece:(b + 1) * self.piece]
-      buckets.append(self._run(collective_ops.all_gather_v2, mine))
+        buckets.append(self.gather_bucket(tf.identity(shard), b))
     return buckets
 
   def all_gather(self, shard):

@@ -1,5 +1,10 @@
 """Errors that the CLI reports as one line, without a traceback."""
 
+import os
+import sys
+
+from absl import logging
+
 # A task that saved a checkpoint on SIGTERM exits with this; launchers
 # resume the job.
 PREEMPTED_EXIT_CODE = 42
@@ -35,3 +40,17 @@ class PortTakenError(TfdistError):
   """This task's gRPC server could not bind its TF_CONFIG address."""
 
   exit_code = PORT_TAKEN_EXIT_CODE
+
+
+def exit_at_once(message, exit_code, *, err=None, exit_fn=os._exit):  # pylint: disable=protected-access
+  """Writes the one-line error, flushes the streams and ends the process
+  without unwinding: a task whose main thread is blocked inside TF (a
+  stalled collective, a SIGTERM with no step agreed) would wait on it,
+  and one that lost a peer or was preempted (its state written) would
+  wait 1-3 s on TF's teardown of a cluster going away."""
+  err = err or sys.stderr
+  err.write(f"tfdist: error: {message}\n")
+  sys.stdout.flush()
+  err.flush()
+  logging.flush()
+  exit_fn(exit_code)

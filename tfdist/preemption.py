@@ -14,11 +14,11 @@ agreement comes within the grace period (a peer gone or stalled).
 import contextlib
 import os
 import signal
-import sys
 import threading
 
 from absl import logging
 
+from tfdist import errors
 from tfdist.errors import PREEMPTED_EXIT_CODE
 from tfdist.errors import TfdistError
 
@@ -140,13 +140,11 @@ class SigtermFlag:
     with self._saving:  # A checkpoint being written is worth waiting for.
       if self._disarmed.is_set():
         return
-      sys.stderr.write(
-          f"tfdist: error: {self._task_name} got SIGTERM and could not "
-          f"stop at an agreed step within {self._grace_seconds:g}s (a peer "
-          "is gone or stalled); exiting with code "
-          f"{UNSAVED_EXIT_CODE}, without a new checkpoint.\n")
-      sys.stderr.flush()
-      os._exit(UNSAVED_EXIT_CODE)  # pylint: disable=protected-access
+      errors.exit_at_once(
+          f"{self._task_name} got SIGTERM and could not stop at an agreed "
+          f"step within {self._grace_seconds:g}s (a peer is gone or "
+          f"stalled); exiting with code {UNSAVED_EXIT_CODE}, without a new "
+          "checkpoint.", UNSAVED_EXIT_CODE)
 
   def save_and_stop(self, save_fn, step_fn):
     """Saves (the watchdog waits meanwhile) and raises PreemptedError."""

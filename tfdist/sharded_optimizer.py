@@ -178,8 +178,7 @@ class ShardedUpdate:
     optimizer.iterations.assign_add(1)
     if self._optimizer is not None:
       self._optimizer.iterations.assign_add(1)
-    new = self._layout.unflatten_pieces(
-        shards.gathered_buckets(shard.read_value()), shards.bucket)
+    new = self._new_weights(shard.read_value())
 
     def assign(strategy, values):
       for variable, value, update in zip(self._variables, values, reached):
@@ -190,6 +189,30 @@ class ShardedUpdate:
             lambda v, x: v.assign(x), args=(value,), group=False)
 
     context.merge_call(assign, args=(new,))
+
+  def _new_weights(self, shard):
+    """Every variable's new value, read from the all-gather of the
+    updated shards. Bucket b + 1 is gathered once the variables that
+    bucket b completed are read, so that their assigns free bucket b
+    while it travels: the step holds a few buckets of the new weights,
+    not the whole model again."""
+    shards, layout = self._collectives, self._layout
+    ends = np.cumsum(layout.sizes)
+    values, buckets, waiting, read = [None] * len(ends), [], 0, []
+    for b in range(shards.num_buckets):
+      with tf.control_dependencies(read or buckets[-1:]):
+        buckets.append(shards.gather_bucket(tf.identity(shard), b))
+      last = b == shards.num_buckets - 1
+      read = []
+      while waiting < len(ends) and (last or ends[waiting] <=
+                                     (b + 1) * shards.bucket):
+        start = ends[waiting] - layout.sizes[waiting]
+        values[waiting] = tf.reshape(flat_layout.read_range(
+            buckets, [shards.bucket] * len(buckets), start, ends[waiting]),
+                                     layout.shapes[waiting])
+        read.append(values[waiting])
+        waiting += 1
+    return values
 
   def ranks(self):
     """The shard each local replica holds (the order of self.optimizers

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 
+from tfdist import errors
 from tfdist.errors import PEER_LOST_EXIT_CODE
 
 
@@ -93,6 +94,5 @@ class StallWatch:
     with call["lock"]:
       if call["done"]:
         return
-      self._err.write(f"tfdist: error: {self._message}\n")
-      self._err.flush()
-      self._exit(PEER_LOST_EXIT_CODE)
+      errors.exit_at_once(self._message, PEER_LOST_EXIT_CODE, err=self._err,
+                          exit_fn=self._exit)

@@ -23,6 +23,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from tfdist import errors
 from tfdist import cluster
 from tfdist import config as config_lib
 from tfdist import options as options_lib
@@ -80,19 +81,6 @@ def _fail(message, exit_code=2):
   sys.exit(exit_code)
 
 
-def _exit_at_once(message, exit_code):
-  """A task that lost a peer (its survivor state written) or was
-  preempted (its checkpoint written) has nothing left to do, and the
-  launcher's next group waits for it: TF's teardown of a cluster whose
-  peers are gone or going (its gRPC server, aborted collectives) took
-  1-3 s. Its files are closed; the streams are flushed here."""
-  sys.stderr.write(f"tfdist: error: {message}\n")
-  sys.stdout.flush()
-  sys.stderr.flush()
-  logging.flush()
-  os._exit(exit_code)  # pylint: disable=protected-access
-
-
 def _parse_flags(argv):
   try:
     return FLAGS(argv)
@@ -139,7 +127,7 @@ def main(argv):
                      show_native_logs=show_native)
   except TfdistError as e:
     if e.exit_code in (PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE):
-      _exit_at_once(str(e), e.exit_code)
+      errors.exit_at_once(str(e), e.exit_code)
     _fail(str(e), e.exit_code)
   except KeyboardInterrupt:
     # Ctrl-C: the last checkpoint stays the newest; say so, not a traceback.
