@@ -8,7 +8,6 @@ workers by value, so they need no tfdist install on the node.
 
 import collections
 import functools
-import json
 import os
 import queue
 import shutil
@@ -23,8 +22,12 @@ import time
 import ray
 from ray import cloudpickle
 
-# Ray's workers import nothing of ours: send this module's code along.
+from . import spare_order  # pylint: disable=g-bad-import-order
+
+# Ray's workers import nothing of ours: send this module's code along,
+# and the spare order's.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(spare_order)
 
 _PR_SET_PDEATHSIG = 1
 # What poll() reports when the actor itself is gone: the task was killed.
@@ -112,8 +115,7 @@ class TaskActor:
     code = self._spare.poll()
     if code is None:
       return None
-    lines = [raw for raw in self._spare.stdout if raw.strip()]
-    last = lines[-1].decode("utf-8", "replace").strip()[:300] if lines else ""
+    last = spare_order.last_words(self._spare)
     return f"exited with code {code}: {last or 'no output'}"
 
   def _hand_to_spare(self, argv, env):
@@ -123,10 +125,10 @@ class TaskActor:
     spare, self._spare = self._spare, None
     if spare is None or spare.poll() is not None or argv[1:2] != ["-m"]:
       return None
-    order = {"module": argv[2], "args": argv[3:], "env": env,
-             "remote": False}
+    order = spare_order.order_line(module=argv[2], args=argv[3:], env=env,
+                                   remote=False)
     try:
-      spare.stdin.write((json.dumps(order) + "\n").encode())
+      spare.stdin.write(order)
       spare.stdin.close()
     except OSError:
       spare.kill()

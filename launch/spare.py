@@ -22,7 +22,6 @@ for the hangup a tty would have given it: SIGHUP to its process group.
 A spare handed its order while still importing goes on at nice 0.
 """
 
-import json
 import os
 import queue
 import runpy
@@ -32,6 +31,8 @@ import tempfile
 import threading
 
 from absl import flags
+
+from . import spare_order
 
 # What a task imports before its first TF op, in that order (not the
 # task's module itself: runpy runs that as __main__).
@@ -88,7 +89,7 @@ def _read_order(orders):
     if not chunk:
       os._exit(0)  # pylint: disable=protected-access
     data += chunk
-  order = json.loads(data.split(b"\n", 1)[0])
+  order = spare_order.read_order(data.split(b"\n", 1)[0])
   _undo_niceness()
   orders.put(order)
   if order.get("remote"):
@@ -170,20 +171,6 @@ def count_from(parser, args):
   return int(args.spares)
 
 
-def last_words(process, limit=300):
-  """The last line a spare that exited printed (its error), or ''."""
-  try:
-    lines = [raw for raw in process.stdout if raw.strip()]
-  except (OSError, ValueError):
-    return ""
-  if not lines:
-    return ""
-  last = lines[-1]
-  if isinstance(last, bytes):
-    last = last.decode("utf-8", "replace")
-  return last.strip()[:limit]
-
-
 class Spares:
   """Keeps `count` spares, each `start_process(command, env)` (a Popen-like
   process with stdin piped; `command` runs `python -m launch.spare`, behind
@@ -241,8 +228,8 @@ class Spares:
     for TF's native logs."""
     if wants_native_logs(args):
       return None
-    order = json.dumps({"module": module, "args": list(args),
-                        "env": dict(env), "remote": self._remote})
+    order = spare_order.order_line(module=module, args=args, env=env,
+                                   remote=self._remote)
     try:
       while self._waiting:
         process = self._waiting.pop(0)
@@ -250,10 +237,10 @@ class Spares:
           # The OOM killer, a lost host, a python without tfdist.
           self._log(f"warm spare pid={process.pid} had exited (code "
                     f"{process.poll()}) before it was needed: "
-                    f"{last_words(process) or 'no output'}")
+                    f"{spare_order.last_words(process) or 'no output'}")
           continue
         try:
-          process.stdin.write((order + "\n").encode())
+          process.stdin.write(order)
           process.stdin.flush()
           if not self._remote:  # A remote task's stdin is its session.
             process.stdin.close()

@@ -265,8 +265,9 @@ class RemoteProcess:
     self._local.kill()
 
 
-def _ssh_prefix(args):
-  return ["ssh", *shlex.split(args.ssh_args)]
+def _ssh_prefix(args, *options):
+  """ssh with `options` and then the user's --ssh_args."""
+  return ["ssh", *options, *shlex.split(args.ssh_args)]
 
 
 # A waiting spare's connection: ssh ends within 2 minutes when the host
@@ -280,9 +281,8 @@ _SPARE_KEEPALIVE = ["-o", "ServerAliveInterval=15", "-o",
 def spare_command(args, host):
   """A warm spare on `host`, over ssh without a tty (its stdin carries
   the order); unbuffered, as its output is a pipe."""
-  return ["ssh", "-T", *shlex.split(args.ssh_args), *_SPARE_KEEPALIVE,
-          host, _remote_line(args, {"PYTHONUNBUFFERED": "1"},
-                             spare.REMOTE_MODULE)]
+  return [*_ssh_prefix(args, "-T"), *_SPARE_KEEPALIVE, host,
+          _remote_line(args, {"PYTHONUNBUFFERED": "1"}, spare.REMOTE_MODULE)]
 
 
 class HostSpares:
@@ -370,8 +370,8 @@ def ssh_tasks(args, worker_hosts, spares=None):
   # ssh gets them on its command line.
   return [description.TaskSpec(
       role=s.role, index=s.index, address=s.address, env=s.env,
-      argv=["ssh", "-tt", *shlex.split(args.ssh_args),
-            s.address.rpartition(":")[0], remote_command(args, s)])
+      argv=[*_ssh_prefix(args, "-tt"), s.address.rpartition(":")[0],
+            remote_command(args, s)])
           for s in specs]
 
 
@@ -393,7 +393,7 @@ def service_commands(args):
     # own host could find a loopback address there (127.0.1.1 in hosts).
     rest = [f"--worker_address={host}:%port%" if a == "--worker_address=auto"
             else a for a in argv[3:]]
-    found[name] = ["ssh", "-tt", *shlex.split(args.ssh_args), host,
+    found[name] = [*_ssh_prefix(args, "-tt"), host,
                    _remote_line(args, env, argv[2], rest)]
   return found
 
