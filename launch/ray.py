@@ -25,7 +25,7 @@ placement group and restarts the group from the checkpoint.
 Warm spares (--spares, auto: one per task when the job can restart): a
 spare (launch.spare) waits in an actor of its own on each node the tasks
 run on, and a restart, preemption resume or membership change hands the
-node's tasks to them (RaySpares).
+node's tasks to them (launch.ray_spares).
 
 A tf.data service (--data_workers=K): the dispatcher and each data worker
 run in an actor of their own (num_cpus=0, outside the placement group, so
@@ -42,7 +42,6 @@ Needs the `ray` extra: pip install -e '.[cpu,ray]'.
 """
 
 import argparse
-import collections
 import contextlib
 import os
 import shutil
@@ -62,8 +61,9 @@ from tfdist import quiet
 try:
   import ray as ray_module
   from . import ray_actor
+  from . import ray_spares
 except ImportError:  # The `ray` extra is not installed; main() says so.
-  ray_module = ray_actor = None
+  ray_module = ray_actor = ray_spares = None
 
 _STRATEGIES = ("SPREAD", "PACK")
 
@@ -114,124 +114,24 @@ def bundles(args, cluster=None):
 
 
 def worker_slots(nodes, *, cpus_per_task, gpus_per_task, other_tasks,
-                 left_out=()):
+                 left_out=(), available=None, held=0):
   """How many workers the live `nodes` (ray.nodes()) can hold, beside
   the job's `other_tasks` (chief, ps, evaluator), one task per bundle;
-  nodes whose NodeID is in `left_out` do not count."""
-  tasks = 0
-  for node in nodes:
-    if not node.get("Alive") or node.get("NodeID") in left_out:
-      continue
-    fits = []
-    for resource, need in (("CPU", cpus_per_task), ("GPU", gpus_per_task)):
-      if need > 0:
-        fits.append(int(node["Resources"].get(resource, 0) // need))
-    if not fits:
-      return None  # Tasks that need nothing: the count says nothing.
-    tasks += min(fits)
+  nodes whose NodeID is in `left_out` do not count. On a cluster shared
+  with other jobs, `available` (ray.available_resources(): what no one
+  holds) bounds it, with the `held` bundles this job's own placement
+  group already holds."""
+  needs = [(r, n) for r, n in (("CPU", cpus_per_task),
+                               ("GPU", gpus_per_task)) if n > 0]
+  if not needs:
+    return None  # Tasks that need nothing: the count says nothing.
+  tasks = sum(min(int(node["Resources"].get(r, 0) // n) for r, n in needs)
+              for node in nodes
+              if node.get("Alive") and node.get("NodeID") not in left_out)
+  if available is not None:
+    tasks = min(tasks, held + min(int(available.get(r, 0) // n)
+                                  for r, n in needs))
   return max(tasks - other_tasks, 0)
-
-
-class RaySpares:
-  """Warm spares in actors of their own, outside the placement group
-  (no CPUs of their own: the task's bundle holds them) and pinned to a
-  node: `per_task` for each task the node runs at once. A spare actor
-  that gets a task is that task's actor from then on; another takes its
-  place in the background."""
-
-  def __init__(self, ray_module, *, per_task, cpus_per_task, log):
-    self._ray = ray_module
-    self._per_task = per_task
-    # Ray gives a task's bundle actor OMP_NUM_THREADS of its CPUs; a
-    # spare's actor has none of its own, and the import reads it.
-    self._threads = str(max(1, int(cpus_per_task)))
-    self._log = log
-    self._pools = collections.defaultdict(list)  # node -> [(actor, pid)]
-    self._wanted = collections.Counter()
-    self._env = None
-
-  def plan(self, nodes):
-    """The nodes of an attempt's tasks, one entry per task. A node no
-    task runs on now (gone, or left out) keeps no spares."""
-    tasks = collections.Counter(nodes)
-    for node in [n for n in self._pools if n not in tasks]:
-      for actor, _ in self._pools.pop(node):
-        ray_actor.release(self._ray, actor)
-    self._wanted = collections.Counter({
-        node: max(self._wanted[node], self._per_task * count)
-        for node, count in tasks.items()})
-    self._fill()
-
-  def start(self, env):
-    self._env = {"OMP_NUM_THREADS": self._threads, **{
-        k: v for k, v in env.items() if k == "PYTHONUNBUFFERED"}}
-    self._fill()
-
-  def _fill(self):
-    if self._env is None:
-      return
-    from ray.util.scheduling_strategies import \
-        NodeAffinitySchedulingStrategy
-    for node, wanted in self._wanted.items():
-      while len(self._pools[node]) < wanted:
-        actor = ray_actor.TaskActor.options(
-            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                node, soft=False)).remote()
-        self._pools[node].append(
-            (actor, actor.warm.remote(spare.REMOTE_MODULE, self._env,
-                                      os.getcwd())))
-
-  def hand(self, node, argv):
-    """A spare actor on `node` whose spare has started and waits, or None.
-    One still starting is left for later: its task would wait for it
-    longer than a cold start in the bundle's actor takes."""
-    if spare.wants_native_logs(argv[3:]):
-      return None
-    pool, kept = self._pools[node], []
-    try:
-      while pool:
-        actor, pid = pool.pop(0)
-        ready, _ = self._ray.wait([pid], timeout=0)
-        if not ready:
-          kept.append((actor, pid))
-          continue
-        why = self._spare_exit(actor)
-        if why is None:
-          return actor
-        self._log(f"a warm spare on node {node[:12]} {why}")
-        ray_actor.release(self._ray, actor)
-      return None
-    finally:
-      pool[:0] = kept
-      self._fill()
-
-  def _spare_exit(self, actor):
-    try:
-      return self._ray.get(actor.spare_exit.remote(), timeout=30)
-    except (self._ray.exceptions.RayError,
-            self._ray.exceptions.GetTimeoutError) as e:
-      return f"is gone ({type(e).__name__})"
-
-  @property
-  def pids(self):
-    """The pids of the spares started within 10 s (an actor takes about
-    a second to start, and the launcher logs this as its tasks start)."""
-    refs = [pid for pool in self._pools.values() for _, pid in pool]
-    ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=10)
-    pids = []
-    for ref in ready:
-      try:
-        pids.append(self._ray.get(ref, timeout=5))
-      except (self._ray.exceptions.RayError,
-              self._ray.exceptions.GetTimeoutError):
-        pass  # Its actor could not start the spare: hand() says why.
-    return pids
-
-  def close(self):
-    for pool in self._pools.values():
-      for actor, _ in pool:
-        ray_actor.release(self._ray, actor)
-    self._pools.clear()
 
 
 class RayJob:
@@ -276,7 +176,9 @@ class RayJob:
         self._ray.nodes(), cpus_per_task=self._args.cpus_per_task,
         gpus_per_task=self._args.gpus_per_task,
         other_tasks=sum(cluster.counts().values()) - cluster.workers,
-        left_out=self._lost_nodes)
+        left_out=self._lost_nodes,
+        available=self._ray.available_resources(),
+        held=len(self._names) if self._group is not None else 0)
 
   def drop_worker(self, spec):
     """The worker of TaskSpec `spec` is dropped for good: its node is
@@ -513,8 +415,8 @@ def _launch_job(args, log):
     log("warm spares are off with --gpus_per_task: each restart starts "
         "its tasks cold")
   elif args.spares_per_task:
-    spares = RaySpares(ray_module, per_task=args.spares_per_task,
-                       cpus_per_task=args.cpus_per_task, log=log)
+    spares = ray_spares.RaySpares(ray_module, per_task=args.spares_per_task,
+                                  cpus_per_task=args.cpus_per_task, log=log)
   job = RayJob(args, log=log, spares=spares)
   try:
     # The placement group is reserved with the first attempt's tasks: an

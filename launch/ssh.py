@@ -53,6 +53,7 @@ from . import data_service
 from . import description
 from . import processes
 from . import spare
+from . import ssh_hosts
 from tfdist import cluster
 
 
@@ -136,45 +137,6 @@ def _split_hosts(args, hosts):
   tail = rest[len(workers):]
   return workers, {"chief": chief, "ps": tail[:args.ps],
                    "evaluator": tail[args.ps:]}
-
-
-class WorkerHosts:
-  """The worker slots, in order: the worker hosts --hosts names, or,
-  with a discovery `command`, the hosts it offers (a host with k slots
-  runs up to k workers). Workers take the first slots. The discovery
-  script is the truth: a slot dropped after a failure comes back when
-  the script offers it again."""
-
-  def __init__(self, hosts, *, command="", min_workers=1, log=print):
-    self._hosts = list(hosts)
-    self._command = command
-    self._min_workers = min_workers
-    self._log = log
-
-  def discover(self):
-    """Runs the discovery command; returns the number of slots it
-    offers, or None when it cannot tell. An offer below MIN is not
-    taken: the running group keeps its hosts."""
-    offered = core.discover_hosts(self._command, self._log)
-    if offered is None:
-      return None
-    hosts = [host for host, slots in offered for _ in range(slots)]
-    if len(hosts) >= self._min_workers:
-      self._hosts = hosts
-    return len(hosts)
-
-  def drop(self, spec):
-    """The worker of TaskSpec `spec` is dropped: a slot of its host goes
-    (unless a discovery since then has already left the host out)."""
-    host = spec.address.rpartition(":")[0]
-    if host in self._hosts:
-      self._hosts.remove(host)
-
-  def take(self, count):
-    if count > len(self._hosts):
-      raise ValueError(f"{count} workers need {count} worker slots; "
-                       f"{len(self._hosts)} are known: {self._hosts}")
-    return self._hosts[:count]
 
 
 def _role_addresses(desc, hosts, port):
@@ -448,8 +410,9 @@ def main(argv=None):
 
 def _run(args, log):
   """The job itself, restarted by launch.core's policy."""
-  hosts = WorkerHosts(args.worker_hosts, command=args.host_discovery,
-                      min_workers=args.cluster.min_workers or 1, log=log)
+  hosts = ssh_hosts.WorkerHosts(
+      args.worker_hosts, command=args.host_discovery,
+      min_workers=args.cluster.min_workers or 1, log=log)
   spares = (HostSpares(args, per_task=args.spares_per_task, log=log)
             if args.spares_per_task else None)
   return core.Launcher(

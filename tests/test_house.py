@@ -7,7 +7,7 @@ from tools import house
 # Modules still over the limit (issue 47 splits them), at their size when
 # this check came: each may shrink, none may grow, and no other may join.
 STILL_TO_SPLIT = {"tfdist.launch.core": 479,
-                  "tfdist.launch.ray": 534, "tfdist.launch.ssh": 464}
+                  "tfdist.launch.ray": 437, "tfdist.launch.ssh": 427}
 
 
 def test_no_function_is_over_80_lines():

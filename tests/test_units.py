@@ -228,15 +228,20 @@ def test_ray_worker_slots_count_live_nodes_beside_other_tasks():
   assert slots(left_out={"b"}) == 2
   assert slots(gpus_per_task=1.0) == 0  # No node has a GPU.
   assert slots(cpus_per_task=0.0) is None
+  # A shared cluster: another job holds 1.5 of the 3.5 CPUs; this job's
+  # own group holds 1 bundle (not free, but its own).
+  assert slots(available={"CPU": 1.0}, held=1) == 2
+  assert slots(available={"CPU": 0.5}, held=0) == 0
+  assert slots(available={"CPU": 8.0}, held=2) == 3  # Nodes bound it.
 
 
 def test_ssh_worker_hosts_follow_discovery_above_min(tmp_path):
   from launch import description
-  from launch import ssh
+  from launch import ssh_hosts
   offer = tmp_path / "hosts"
   said = []
-  hosts = ssh.WorkerHosts(["a"], command=f"cat {offer}", min_workers=2,
-                          log=said.append)
+  hosts = ssh_hosts.WorkerHosts(["a"], command=f"cat {offer}",
+                                min_workers=2, log=said.append)
   assert hosts.take(1) == ["a"]
   offer.write_text("h1:2\nh2:1\n")
   assert hosts.discover() == 3 and hosts.take(3) == ["h1", "h1", "h2"]
@@ -252,6 +257,35 @@ def test_ssh_worker_hosts_follow_discovery_above_min(tmp_path):
     hosts.take(3)
   offer.write_text("h1 2\n")
   assert hosts.discover() is None and "not host:slots" in said[-1]
+
+
+def test_ssh_discovery_keeps_a_failed_slot_out_for_a_while(tmp_path):
+  """A script that still lists h2 after its worker failed: the slot
+  stays out for 120 s, then 240 s after a second failure, so the group
+  does not grow back onto a broken host at every look."""
+  from launch import description
+  from launch import ssh_hosts
+  offer, now, said = tmp_path / "hosts", [0.0], []
+  offer.write_text("h1:2\nh2:1\n")
+  hosts = ssh_hosts.WorkerHosts([], command=f"cat {offer}",
+                                min_workers=2, log=said.append,
+                                clock=lambda: now[0])
+  failed = description.TaskSpec(role="worker", index=2, address="h2:2222",
+                                 argv=[], env={})
+  assert hosts.discover() == 3
+  hosts.drop(failed)
+  assert hosts.discover() == 2 and hosts.take(2) == ["h1", "h1"]
+  assert said[-1] == ("discovery offers h2 again, where a worker failed: 1 "
+                      "of its slot(s) kept out for 120s more.")
+  hosts.discover()
+  assert len(said) == 1  # Said once per drop.
+  now[0] = 121.0
+  assert hosts.discover() == 3 and hosts.take(3) == ["h1", "h1", "h2"]
+  hosts.drop(failed)
+  now[0] = 121.0 + 239.0
+  assert hosts.discover() == 2
+  now[0] = 121.0 + 241.0
+  assert hosts.discover() == 3
 
 
 def test_flat_layout_round_trips_in_tf_and_numpy():
