@@ -36,11 +36,11 @@ def _lines(proc, prefix):
   return [l for l in proc.stdout.splitlines() if l.startswith(prefix)]
 
 
-def _two_workers(argv, timeout=600):
+def _two_workers(argv, timeout=600, grace=10):
   """Runs `argv` as two MultiWorkerMirrored processes (TF_CONFIG on
   127.0.0.1); returns their CompletedProcesses. When one fails, the other
-  (left waiting in a collective) is killed a grace period later, and both
-  come back with what they printed."""
+  (left waiting in a collective) is killed `grace` seconds later, and
+  both come back with what they printed."""
   ports = [portpicker.pick_unused_port() for _ in range(2)]
   workers = [f"127.0.0.1:{p}" for p in ports]
   outputs = [tempfile.TemporaryFile(mode="w+") for _ in range(2)]
@@ -53,7 +53,7 @@ def _two_workers(argv, timeout=600):
   deadline = time.monotonic() + timeout
   while any(p.poll() is None for p in procs):
     if any(p.poll() not in (None, 0) for p in procs):
-      deadline = min(deadline, time.monotonic() + 10)
+      deadline = min(deadline, time.monotonic() + grace)
     if time.monotonic() > deadline:
       for proc in procs:
         proc.kill()

@@ -1,9 +1,11 @@
 """MultiWorkerMirrored with real processes on 127.0.0.1, started by our
 own launcher: failures, preemption, replica checks, gradient compression."""
 
+import glob
 import os
 import re
 import signal
+import sys
 import time
 
 import pytest
@@ -176,3 +178,28 @@ def test_ctrl_c_stops_every_task(tmp_path, data_dir):
          time.monotonic() < deadline):
     time.sleep(0.2)
   assert not any(process_alive(p) for p in pids.values())
+
+
+def test_a_peer_lost_while_the_trainer_is_built_is_one_line(tmp_path,
+                                                            data_dir):
+  """Worker 1 dies while its model is built; worker 0, in the
+  collectives that give the variables their first values, ends with the
+  lost-peer line and code when TF's coordination service finds worker 1
+  gone (about 10 s), not a traceback nor a line that blames the model,
+  and writes no checkpoint."""
+  from test_collectives import _two_workers
+  model_dir = tmp_path / "run"
+  worker0, worker1 = _two_workers(
+      [sys.executable, "-m", "tfdist.train",
+       "--model=tests.lost_at_build:build", f"--model_dir={model_dir}",
+       f"--data_dir={data_dir}", "--strategy=multi_worker_mirrored",
+       "--train_steps=5"], timeout=240, grace=60)
+  assert worker1.returncode == 3, worker1.stdout[-2000:]
+  output = worker0.stdout
+  assert worker0.returncode == PEER_LOST_EXIT_CODE, output[-3000:]
+  assert re.search(r"tfdist: error: a collective on worker:0 outside a "
+                   r"loop call lost a peer: a peer stopped answering\. "
+                   r"Peers: worker:1 \(127\.0\.0\.1:\d+\)\.", output), \
+      output[-3000:]
+  assert "Traceback" not in output, output[-3000:]
+  assert not glob.glob(str(model_dir / "ckpt-*"))

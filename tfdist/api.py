@@ -155,22 +155,24 @@ def run(config, *, task=None, tf_config=None, show_native_logs=False,
   # Non-chief workers write to a scratch dir that is removed afterwards.
   write_dir = (config.model_dir if info.is_chief else
                tempfile.mkdtemp(prefix=f"tfdist-worker{info.worker_index}-"))
+  from tfdist import runners  # pylint: disable=g-import-not-at-top
   try:
-    with process_settings(config):
-      task = builder.resolve_task(config, info, task)
-      if role is Role.EVALUATOR:
-        evaluator = builder.build_evaluator(config, info, task,
-                                            write_dir=write_dir)
-      else:
-        trainer = builder.build_trainer(
-            config, info, task, write_dir=write_dir,
-            callbacks=builder.resolve_callbacks(config, callbacks))
-    if role is Role.EVALUATOR and config.mode == "eval":
-      return evaluator.evaluate_once(config.checkpoint or None)
-    if role is Role.EVALUATOR:
-      return _run_sidecar(evaluator, config)
-    from tfdist import runners  # pylint: disable=g-import-not-at-top
+    # A peer lost while the trainer is built (its variables' first
+    # values come from worker 0 by collectives) is a lost peer as well.
     with runners.peer_losses_named(info.task_name, info.peers):
+      with process_settings(config):
+        task = builder.resolve_task(config, info, task)
+        if role is Role.EVALUATOR:
+          evaluator = builder.build_evaluator(config, info, task,
+                                              write_dir=write_dir)
+        else:
+          trainer = builder.build_trainer(
+              config, info, task, write_dir=write_dir,
+              callbacks=builder.resolve_callbacks(config, callbacks))
+      if role is Role.EVALUATOR and config.mode == "eval":
+        return evaluator.evaluate_once(config.checkpoint or None)
+      if role is Role.EVALUATOR:
+        return _run_sidecar(evaluator, config)
       return trainer.run()
   finally:
     if write_dir != config.model_dir:

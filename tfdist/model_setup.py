@@ -10,7 +10,15 @@ import tensorflow as tf
 from tfdist import compiled_loops
 from tfdist import devices
 from tfdist import placement
+from tfdist import runners
 from tfdist.errors import ConfigError
+
+
+def _lost_peer(error):
+  """A collective that lost a peer (a variable's first value comes from
+  worker 0 by one), not the user's model or loss failing on the data:
+  it goes up as it is, to end as a lost peer."""
+  return runners.is_collective_failure(error)
 
 
 def _first_line(error):
@@ -77,6 +85,8 @@ def build_model(config, task, sample):
   except ConfigError:
     raise
   except Exception as e:  # Keras raises many types for mismatched inputs.
+    if _lost_peer(e):
+      raise
     raise ConfigError(f"the dataset's features do not fit the model "
                       f"{task.display_name!r}: {_first_line(e)}") from None
   _warn_summed_variables(model, tf.distribute.get_strategy())
@@ -123,6 +133,8 @@ def check_model_fits_data(task, model, sample):
   try:
     model(features, training=False)
   except Exception as e:  # Keras raises many types for mismatched inputs.
+    if _lost_peer(e):
+      raise
     raise ConfigError(f"the dataset's features do not fit the model "
                       f"{task.display_name!r}: {_first_line(e)}") from None
   try:
@@ -131,6 +143,8 @@ def check_model_fits_data(task, model, sample):
   except ConfigError:
     raise
   except Exception as e:  # The loss may raise anything on bad labels.
+    if _lost_peer(e):
+      raise
     raise ConfigError(f"the labels do not fit the loss of "
                       f"{task.display_name!r}: {_first_line(e)}") from None
   return labels, outputs
