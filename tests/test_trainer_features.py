@@ -169,6 +169,24 @@ def schedule():
 def plateau():
   return [keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5,
                                             patience=0, min_delta=10.0)]
+
+
+class _SigtermAt(keras.callbacks.Callback):
+  """A preemption arriving after the train call that ends at `step`:
+  the eval that follows agrees on it."""
+
+  def __init__(self, step):
+    super().__init__()
+    self.step = step
+
+  def on_train_batch_end(self, batch, logs=None):
+    import os, signal
+    if batch == self.step:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
+def sigterm_at_second_eval():
+  return [_SigtermAt(20)]
 '''
 
 
@@ -217,6 +235,30 @@ def test_keras_early_stopping_csv_logger_and_user_callback(
                  env=_with_path(outside))
   _check_early_stopped(model_dir, csv_path, record, proc.stdout)
   assert "A callback set model.stop_training at step 30" in proc.stderr
+
+
+def test_an_early_stop_decided_in_a_preempted_eval_holds_on_resume(
+    tmp_path, data_dir, callbacks_module):
+  """--early_stopping_patience=1 with a learning rate of 0: the eval of
+  step 20 decides to stop, and a SIGTERM arrives during it. The run
+  saves at step 20 and exits 42; the resumed run stops there, as the
+  uninterrupted one did, where it once trained to step 30."""
+  outside, _, _ = callbacks_module
+  model_dir = tmp_path / "run"
+  args = _args(model_dir, data_dir, "--train_steps=100", "--eval_every=10",
+               "--learning_rate=0", "--best_metric=accuracy",
+               "--early_stopping_patience=1")
+  first = run_cli(*args, "--callbacks=mycallbacks:sigterm_at_second_eval",
+                  env=_with_path(outside), check=False)
+  assert first.returncode == 42, first.stderr[-3000:]
+  assert "Early stopping at step 20" in first.stderr, first.stderr[-3000:]
+  assert artifacts.checkpoint_step(str(model_dir)) == 20
+  resumed = run_cli(*args, env=_with_path(outside))
+  assert ("Early stopping was decided at the eval of step 20, before this "
+          "run resumed: not training further.") in resumed.stderr, \
+      resumed.stderr[-3000:]
+  assert "Finished at step 20/100" in resumed.stdout, resumed.stdout[-3000:]
+  assert artifacts.checkpoint_step(str(model_dir)) == 20
 
 
 def test_keras_early_stopping_on_two_workers(tmp_path, data_dir,

@@ -76,6 +76,13 @@ class BestTracker:
     self.best_step.assign(state["step"])
     self.evals_without_improvement.assign(state["evals_without_improvement"])
 
+  def stop_decided(self):
+    """Whether the evals so far already stop the run (restored: an early
+    stop decided in the eval a preemption interrupted). Read from the
+    variables, which every worker holds alike."""
+    return bool(self.patience) and (
+        int(self.evals_without_improvement.numpy()) >= self.patience)
+
   def _better(self, value):
     if math.isnan(value):
       return False
@@ -93,8 +100,7 @@ class BestTracker:
       self.evals_without_improvement.assign(0)
     else:
       self.evals_without_improvement.assign_add(1)
-    stop = bool(self.patience) and (
-        int(self.evals_without_improvement.numpy()) >= self.patience)
+    stop = self.stop_decided()
     if stop:
       self.stopped_at = int(step)
     return Decision(improved=improved, stop=stop)

@@ -8,14 +8,13 @@ lives in the runner; this loop is the same for all of them.
 
 import contextlib
 import dataclasses
-import datetime
-import math
 import time
 from typing import Callable, Optional
 
 from absl import logging
 import numpy as np
 
+from tfdist import progress
 from tfdist import survivor as survivor_lib
 from tfdist.errors import NonFiniteLossError
 
@@ -61,35 +60,6 @@ class LoopOptions:
 
 def _next_multiple(step, every):
   return (step // every + 1) * every
-
-
-class _Meter:
-  """Running train metrics between two log lines."""
-
-  def __init__(self, now, global_batch_size, metrics):
-    self._global_batch_size = global_batch_size
-    self._metrics = metrics
-    self.reset(now)
-
-  def reset(self, now):
-    self.start, self.sums = now, None
-
-  def add(self, sums):
-    self.sums = sums if self.sums is None else self.sums.add(sums)
-
-  def read(self, now):
-    seconds = max(now - self.start, 1e-9)
-    steps = self.sums.steps if self.sums else 0
-    values = {"loss": self.sums.loss_sum / max(steps, 1) if steps else 0.0}
-    if self.sums:
-      values.update(self._metrics.results(self.sums.metric_states))
-    values["steps_per_sec"] = steps / seconds
-    values["examples_per_sec"] = steps * self._global_batch_size / seconds
-    # Milliseconds a step waited for its batch: input-bound when it is a
-    # large share of 1000 / steps_per_sec. NaN: not measured (PS).
-    if steps and not math.isnan(self.sums.input_wait):
-      values["input_wait_ms"] = 1000 * self.sums.input_wait / steps
-    return values
 
 
 class Trainer:
@@ -159,7 +129,8 @@ class Trainer:
       with watched as watch, self._survivor_kept():
         if callbacks:
           callbacks.train_begin(self.step)
-        if self.step < options.train_steps:
+        stopped = self._stopped_before()
+        if self.step < options.train_steps and not stopped:
           train_metrics = self.train(options.train_steps)
           self._save_unless_saved()
         eval_metrics = {}
@@ -167,7 +138,8 @@ class Trainer:
           eval_step, eval_metrics = self._last_eval
           if eval_step != self.step:  # Not evaluated just before a stop.
             eval_metrics = self.evaluate(self.step)
-            self._after_eval(self.step, eval_metrics, train_metrics)
+            if not stopped:  # That eval was counted before the stop.
+              self._after_eval(self.step, eval_metrics, train_metrics)
         # Trained, saved and evaluated: a SIGTERM from here on lets the
         # export finish (its watchdog would end the process mid-export).
         watch.disarm()
@@ -180,6 +152,16 @@ class Trainer:
                      train_metrics=train_metrics,
                      checkpoint=self._last_checkpoint, export_dir=export_dir,
                      seconds=time.perf_counter() - started)
+
+  def _stopped_before(self):
+    """Early stopping decided at the eval of the restored step (the eval
+    a preemption interrupted saved it): the run stops there, as it would
+    have uninterrupted, not one eval interval later."""
+    if not (self._best and self._best.tracker.stop_decided()):
+      return False
+    logging.info("Early stopping was decided at the eval of step %d, "
+                 "before this run resumed: not training further.", self.step)
+    return True
 
   @contextlib.contextmanager
   def _survivor_kept(self):
@@ -261,7 +243,7 @@ class Trainer:
     iterator = self._train_iterator(step)
     logging.info("Training %s: step %d -> %d, global batch %d.",
                  self._describe, step, until_step, options.batch_size)
-    meter = _Meter(time.perf_counter(), options.batch_size, self._metrics)
+    meter = progress.Meter(time.perf_counter(), options.batch_size, self._metrics)
     first_step, loop_started = step, time.perf_counter()
     metrics = {}
     while step < until_step:
@@ -377,15 +359,6 @@ class Trainer:
       self._save(self.step)
 
   def _log_progress(self, step, total, metrics, first_step, loop_started):
-    elapsed = time.perf_counter() - loop_started
-    rate = (step - first_step) / max(elapsed, 1e-9)
-    eta = datetime.timedelta(seconds=round((total - step) / max(rate, 1e-9)))
-    shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()
-                      if k not in ("steps_per_sec", "examples_per_sec",
-                                   "input_wait_ms"))
-    wait = metrics.get("input_wait_ms")
-    waited = "" if wait is None else f"  input wait {wait:.1f} ms/step"
-    logging.info("train step %d/%d: %s  %.0f examples/s%s  ETA %s", step,
-                 total, shown, metrics["examples_per_sec"], waited, eta)
+    progress.log_line(step, total, metrics, first_step, loop_started)
     self._summaries.scalars("train", step, {
         **metrics, "learning_rate": self._learning_rate(step)})
