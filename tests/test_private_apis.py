@@ -313,3 +313,12 @@ def test_the_auto_shard_rewrite_deals_out_a_pipelines_files(tmp_path):
   with pytest.raises(tf.errors.InvalidArgumentError,
                      match="Could not apply FILE based sharding"):
     list(sharding.files_of_host(pipeline, 4, 0))
+
+
+def test_a_parameter_server_dataset_function_finds_its_worker():
+  """tfdist.data.pipeline's file sharding on parameter servers switches
+  on this public-but-experimental function (tests/test_file_runs.py runs
+  it on 2 workers); a release that drops it fails here by name."""
+  assert callable(
+      tf.distribute.coordinator.experimental_get_current_worker_index), (
+          VERSIONS)

@@ -809,3 +809,21 @@ def test_the_chiefs_state_goes_in_pieces_and_back_whole(two_cpu_strategy,
   assert broadcast.run() == []
   for variable, values in zip(state, expected):
     np.testing.assert_array_equal(variable.numpy(), values)
+
+def test_a_stop_holds_only_at_the_step_whose_eval_decided_it():
+  """A resume stops without training only at the step whose eval
+  decided the stop (best.json's early_stopped_at_step, a variable every
+  worker gets): a resume from an older checkpoint trains on."""
+  from tfdist import best
+  tracker = best.BestTracker(metric="loss", mode="min", patience=1)
+  assert not tracker.stopped_at_step(10) and tracker.stopped_at is None
+  tracker.update(10, {"loss": 1.0})
+  assert tracker.update(20, {"loss": 1.0}).stop
+  assert tracker.stopped_at == 20 and tracker.stopped_at_step(20)
+  resumed = best.BestTracker(metric="loss", mode="min", patience=1)
+  resumed.load(tracker.state())
+  assert resumed.stopped_at_step(20) and not resumed.stopped_at_step(10)
+  patient = best.BestTracker(metric="loss", mode="min", patience=3)
+  patient.load(tracker.state())
+  assert not patient.stopped_at_step(20)  # More patience now: trains on.
+  assert not best.BestTracker(metric="loss", mode="min").stopped_at_step(20)

@@ -46,7 +46,6 @@ class BestTracker:
     self.metric = metric
     self.mode = mode
     self.patience = patience
-    self.stopped_at = None  # The step whose eval stopped the run.
     # Local to this worker (outside any strategy scope). NaN: no eval yet.
     self.best_value = tf.Variable(math.nan, dtype=tf.float64,
                                   trainable=False, name="best_value")
@@ -54,10 +53,14 @@ class BestTracker:
                                  name="best_step")
     self.evals_without_improvement = tf.Variable(
         0, dtype=tf.int64, trainable=False, name="evals_without_improvement")
+    # The step whose eval stopped the run; -1: none.
+    self.stopped_step = tf.Variable(-1, dtype=tf.int64, trainable=False,
+                                    name="early_stopped_step")
 
   @property
   def variables(self):
-    return [self.best_value, self.best_step, self.evals_without_improvement]
+    return [self.best_value, self.best_step, self.evals_without_improvement,
+            self.stopped_step]
 
   def state(self):
     return {"metric": self.metric, "mode": self.mode,
@@ -67,6 +70,12 @@ class BestTracker:
                 self.evals_without_improvement.numpy()),
             "early_stopped_at_step": self.stopped_at}
 
+  @property
+  def stopped_at(self):
+    """The step whose eval stopped the run, or None."""
+    step = int(self.stopped_step.numpy())
+    return None if step < 0 else step
+
   def load(self, state):
     """Takes a state() written by an earlier run on the same metric."""
     if not state or state.get("metric") != self.metric or (
@@ -75,13 +84,17 @@ class BestTracker:
     self.best_value.assign(state["value"])
     self.best_step.assign(state["step"])
     self.evals_without_improvement.assign(state["evals_without_improvement"])
+    stopped = state.get("early_stopped_at_step")
+    self.stopped_step.assign(-1 if stopped is None else stopped)
 
-  def stop_decided(self):
-    """Whether the evals so far already stop the run (restored: an early
-    stop decided in the eval a preemption interrupted). Read from the
-    variables, which every worker holds alike."""
+  def stopped_at_step(self, step):
+    """Whether the eval of `step` stopped the run: restored, an early stop
+    decided in the eval a preemption interrupted (its checkpoint is of
+    that step), and still decided under this run's patience. Read from
+    variables every worker holds alike."""
     return bool(self.patience) and (
-        int(self.evals_without_improvement.numpy()) >= self.patience)
+        int(self.stopped_step.numpy()) == step) and (
+            int(self.evals_without_improvement.numpy()) >= self.patience)
 
   def _better(self, value):
     if math.isnan(value):
@@ -100,9 +113,10 @@ class BestTracker:
       self.evals_without_improvement.assign(0)
     else:
       self.evals_without_improvement.assign_add(1)
-    stop = self.stop_decided()
+    stop = bool(self.patience) and (
+        int(self.evals_without_improvement.numpy()) >= self.patience)
     if stop:
-      self.stopped_at = int(step)
+      self.stopped_step.assign(step)
     return Decision(improved=improved, stop=stop)
 
 

@@ -72,10 +72,12 @@ class ShardCollectives:
     self._launchers = launchers
     self.num_shards = strategy.num_replicas_in_sync
     self.length = length
+    # Buckets of equal size, at most about bucket_elements each: the
+    # padding is under one element per rank and bucket.
+    self.num_buckets = math.ceil(length / bucket_elements)
     # Elements of each bucket a rank holds.
-    self.piece = math.ceil(min(length, bucket_elements) / self.num_shards)
+    self.piece = math.ceil(length / (self.num_buckets * self.num_shards))
     self.bucket = self.piece * self.num_shards
-    self.num_buckets = math.ceil(length / self.bucket)
     self.shard_size = self.num_buckets * self.piece
 
   def owned(self, rank):

@@ -48,9 +48,13 @@ def exit_at_once(message, exit_code, *, err=None, exit_fn=os._exit):  # pylint: 
   stalled collective, a SIGTERM with no step agreed) would wait on it,
   and one that lost a peer or was preempted (its state written) would
   wait 1-3 s on TF's teardown of a cluster going away."""
-  err = err or sys.stderr
-  err.write(f"tfdist: error: {message}\n")
-  sys.stdout.flush()
-  err.flush()
-  logging.flush()
-  exit_fn(exit_code)
+  try:
+    err = err or sys.stderr
+    err.write(f"tfdist: error: {message}\n")
+    err.flush()
+    sys.stdout.flush()
+    logging.flush()
+  except Exception:  # pylint: disable=broad-except
+    pass  # A closed pipe or a hung-up tty must not keep the process alive.
+  finally:
+    exit_fn(exit_code)

@@ -138,7 +138,9 @@ class Trainer:
           eval_step, eval_metrics = self._last_eval
           if eval_step != self.step:  # Not evaluated just before a stop.
             eval_metrics = self.evaluate(self.step)
-            if not stopped:  # That eval was counted before the stop.
+            if stopped:  # That eval was counted before the stop.
+              self._runner.stop_if_signalled(self._eval_sums)
+            else:
               self._after_eval(self.step, eval_metrics, train_metrics)
         # Trained, saved and evaluated: a SIGTERM from here on lets the
         # export finish (its watchdog would end the process mid-export).
@@ -157,7 +159,7 @@ class Trainer:
     """Early stopping decided at the eval of the restored step (the eval
     a preemption interrupted saved it): the run stops there, as it would
     have uninterrupted, not one eval interval later."""
-    if not (self._best and self._best.tracker.stop_decided()):
+    if not (self._best and self._best.tracker.stopped_at_step(self.step)):
       return False
     logging.info("Early stopping was decided at the eval of step %d, "
                  "before this run resumed: not training further.", self.step)

@@ -55,6 +55,7 @@ def worker(spec, floats):
       "task": {"type": "worker", "index": int(index)}})
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist import collectives  # pylint: disable=g-import-not-at-top
+  from tfdist import flat_layout  # pylint: disable=g-import-not-at-top
   strategy = tf.distribute.MultiWorkerMirroredStrategy(
       communication_options=tf.distribute.experimental.CommunicationOptions(
           implementation=tf.distribute.experimental.CommunicationImplementation.RING))
@@ -67,7 +68,9 @@ def worker(spec, floats):
       if mode == "all_reduce":
         return tf.distribute.get_replica_context().all_reduce(
             tf.distribute.ReduceOp.SUM, values)
-      return shards.all_gather(shards.reduce_scatter(values))
+      return shards.all_gather(shards.reduce_scatter(
+          lambda start, end: flat_layout.read_range([values], [floats],
+                                                    start, end)))
     return tf.reduce_sum(strategy.experimental_local_results(
         strategy.run(replica_fn))[0])
 

@@ -74,7 +74,7 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
   read all the data each in an order of its own, or (file sharding) each
   its own files in the run's plan."""
   policy = cache_lib.Policy.of(dataset, cache)
-  if asynchronous and not policy.planned:
+  if asynchronous and not policy.planned and num_hosts > 1:
     sharding = _unplanned_on_workers(dataset, sharding, policy, cache)
   mode = sharding_lib.resolve_sharding(dataset, sharding, num_hosts,
                                        seed=seed, streamed=policy.planned)

@@ -5,7 +5,6 @@ own files)."""
 import re
 
 import tensorflow as tf
-from tensorflow.python.data.experimental.ops import distribute as tf_distribute  # pylint: disable=g-direct-tensorflow-import
 
 from tfdist.data import order
 from tfdist.errors import ConfigError
@@ -44,21 +43,31 @@ def resolve_sharding(dataset, sharding, num_hosts, *, seed, streamed=False):
 
 
 def hand_built(dataset):
-  """A user's own tf.data pipeline that reads files (not a FileData)."""
+  """A user's own tf.data pipeline over files of unknown size (not a
+  FileData): one of known size is read whole on every host, where a
+  cache and an assert_cardinality of the user's hold."""
   return not dataset.in_memory and dataset.file_split is None and (
-      dataset.train_files is None)
+      dataset.train_files is None and dataset.num_train_examples is None)
 
 
 def files_of_host(pipeline, hosts, host):
   """A hand-built `pipeline` that reads files, with host `host`'s files of
   `hosts` only: TF's own auto-shard rewrite, as experimental_distribute_
   dataset applies it (FILE policy), finds its list of files and deals it
-  out. Private (tests/test_private_apis.py)."""
+  out. Private (tests/test_private_apis.py); imported here, so that a TF
+  that moves it fails only this."""
+  from tensorflow.python.data.experimental.ops import distribute as tf_distribute  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
   options = tf.data.Options()
   options.experimental_distribute.auto_shard_policy = (
       tf.data.experimental.AutoShardPolicy.FILE)
   return tf_distribute._AutoShardDataset(  # pylint: disable=protected-access
       pipeline.with_options(options), hosts, host)
+
+
+# What TF's rewrite raises when it cannot deal a pipeline's files out: no
+# file source it knows (NotFound), or fewer files than hosts. Any other
+# error (a read that failed) is raised, so that hosts never decide apart.
+_UNSHARDABLE = (tf.errors.NotFoundError, tf.errors.InvalidArgumentError)
 
 
 def _hand_built_sharding(dataset, sharding, num_hosts):
@@ -69,7 +78,7 @@ def _hand_built_sharding(dataset, sharding, num_hosts):
     for _ in files_of_host(dataset.train_source(), num_hosts, 0).take(1):
       pass
     return "file"
-  except tf.errors.OpError as e:
+  except (*_UNSHARDABLE, ImportError, AttributeError) as e:
     if sharding == "auto":
       return "batch"
     raise ConfigError(
