@@ -248,6 +248,24 @@ def test_a_hand_built_pipeline_is_sharded_by_its_files(root):
     sharding.resolve_sharding(zipped, "file", 2, seed=1)
 
 
+def test_a_hand_built_pipeline_is_probed_once(root, monkeypatch):
+  """inputs_from_dataset decides file sharding (TF's rewrite tried on one
+  element); the hosts' input functions take that decision, unprobed."""
+  from tfdist.data import sharding
+  probes = []
+  probe = sharding._hand_built_sharding  # pylint: disable=protected-access
+  monkeypatch.setattr(sharding, "_hand_built_sharding",
+                      lambda *a: probes.append(a) or probe(*a))
+  inputs = data.inputs_from_dataset(_hand_built(root), global_batch_size=16,
+                                    seed=1, sharding="auto", num_hosts=2)
+  for host in range(2):
+    context = tf.distribute.InputContext(num_input_pipelines=2,
+                                         input_pipeline_id=host,
+                                         num_replicas_in_sync=2)
+    next(iter(inputs.train_fn(0, 1)(context)))
+  assert inputs.plan["sharding"] == "file" and len(probes) == 1
+
+
 def test_file_sharding_of_cached_uneven_hosts_is_refused(root, tmp_path):
   """3 equal files on 2 hosts: host 0 holds two, host 1 one; a host's
   epoch is the shortest host's, so host 0's examples would be trained

@@ -99,7 +99,7 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
           dataset, global_batch_size=global_batch_size,
           seed=seed if workers else own_seed, start_step=start_step,
           sharding=mode, cache=cache, shuffle_buffer=shuffle_buffer,
-          workers=workers),
+          workers=workers, resolved_for=num_hosts),
       eval_fn=lambda: eval_input.eval_input_fn(
           dataset, global_batch_size=global_batch_size, cache=cache),
       eval_steps=eval_input.eval_steps(

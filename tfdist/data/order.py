@@ -40,8 +40,8 @@ def epoch_length(counts, seed, epoch, hosts):
   """Records each pipeline trains on in `epoch`: the fewest any pipeline's
   files hold, so that all stay in the same epoch (each pipeline leaves out
   the rest of its own, other records every epoch)."""
-  return min(sum(counts[i] for i in host_files(len(counts), seed, epoch,
-                                               hosts, host))
+  permuted = file_order(len(counts), seed, epoch).numpy()  # Once: hosts
+  return min(sum(counts[i] for i in permuted[host::hosts])  # slice it.
              for host in range(hosts))
 
 

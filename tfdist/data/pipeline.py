@@ -153,7 +153,8 @@ def _planned_batches(dataset, seed, hosts, host, start_example, batch_size,
 
 def train_input_fn(dataset: sources.Dataset, *, global_batch_size, seed,
                    start_step=0, sharding="batch", cache="auto",
-                   shuffle_buffer=SHUFFLE_BUFFER, workers=None):
+                   shuffle_buffer=SHUFFLE_BUFFER, workers=None,
+                   resolved_for=None):
   """Returns an input_fn for `distribute_datasets_from_function`.
 
   `batch`: every host reads the whole stream and keeps its slice of each
@@ -165,6 +166,8 @@ def train_input_fn(dataset: sources.Dataset, *, global_batch_size, seed,
   pipeline its own order (asynchronous PS workers). `workers`: that many
   asynchronous workers, each reading its own files (`file` on streamed
   files), from its share of the examples before `start_step`.
+  `resolved_for`: the host count `sharding` was already resolved for
+  (by inputs_from_dataset), so it is not worked out, or probed, again.
   """
   policy = cache_lib.Policy.of(dataset, cache)
   if workers:
@@ -175,8 +178,9 @@ def train_input_fn(dataset: sources.Dataset, *, global_batch_size, seed,
   def input_fn(context):
     hosts, host = context.num_input_pipelines, context.input_pipeline_id
     per_host = global_batch_size // hosts
-    mode = sharding_lib.resolve_sharding(dataset, sharding, hosts,
-                                         seed=seed, streamed=policy.planned)
+    mode = sharding if hosts == resolved_for else (
+        sharding_lib.resolve_sharding(dataset, sharding, hosts, seed=seed,
+                                      streamed=policy.planned))
     if mode == "file":
       per_replica = context.get_per_replica_batch_size(global_batch_size)
       batches = _file_batches(dataset, policy, seed, hosts, host,
