@@ -40,7 +40,7 @@ import sys
 
 import yaml
 
-from . import core
+from . import arguments
 from . import data_service
 from . import description
 
@@ -89,9 +89,9 @@ def parse_args(argv):
   except ValueError as e:
     parser.error(str(e))
   if args.cluster.data_workers:
-    core.check_no_data_service(parser, args.train_args)
+    arguments.check_no_data_service(parser, args.train_args)
     # The dispatcher's pod starts with the trainers' (image pull, import).
-    wait = ([] if core.given_train_flag(args.train_args,
+    wait = ([] if arguments.given_train_flag(args.train_args,
                                          "data_service_wait")
             else [f"--data_service_wait={DISPATCHER_WAIT_SECONDS}"])
     args.train_args = [*args.train_args,
@@ -128,7 +128,7 @@ def parse_volume(text):
 def model_dir_warning(train_args, volumes):
   """Why the checkpoints would be lost, or None: a local model_dir must
   live on a volume (gs:// and s3:// are read through tf.io.gfile)."""
-  model_dir = core.given_train_flag(train_args, "model_dir")
+  model_dir = arguments.given_train_flag(train_args, "model_dir")
   if not model_dir or "://" in model_dir:
     return None
   path = posixpath.normpath(model_dir)

@@ -18,10 +18,12 @@ import tempfile
 
 import portpicker
 
+from . import arguments
 from . import core
 from . import data_service
 from . import description
 from . import isolation
+from . import membership
 from . import processes
 from . import spare
 
@@ -31,7 +33,7 @@ def parse_args(argv):
       prog="python -m launch.local",
       description="Run a tfdist job as local processes on 127.0.0.1.")
   description.add_arguments(parser, elastic=True)
-  core.add_discovery_arguments(
+  arguments.add_discovery_arguments(
       parser, hosts_help="; here every host is this machine")
   parser.add_argument("--isolate", choices=("auto", "on", "off"),
                       default="auto",
@@ -40,9 +42,9 @@ def parse_args(argv):
                       "(needs root). auto: when possible (default).")
   spare.add_argument(parser)
   description.add_data_workers_argument(parser)
-  core.add_restart_arguments(parser)
+  arguments.add_restart_arguments(parser)
   args = parser.parse_args(argv)
-  core.finish_args(parser, args)
+  arguments.finish_args(parser, args)
   # Per task: every task is on this machine.
   args.spare_count = spare.count_from(parser, args) * sum(
       args.cluster.counts().values())
@@ -52,7 +54,7 @@ def parse_args(argv):
 def discover_slots(command, log):
   """The worker slots `command` offers, summed over its hosts (all of
   them this machine); None when it cannot tell."""
-  hosts = core.discover_hosts(command, log)
+  hosts = membership.discover_hosts(command, log)
   return None if hosts is None else sum(slots for _, slots in hosts)
 
 

@@ -7,6 +7,7 @@ together stops). `launch.core.Launcher` asks it, and restarts the group.
 """
 
 import dataclasses
+import subprocess
 import time
 
 from tfdist.errors import PEER_LOST_EXIT_CODE
@@ -161,3 +162,25 @@ class Membership:
               f"{MEMBERSHIP_WINDOW_SECONDS / 60:.0f} minutes: the new group "
               f"starts in {delay:.1f}s.")
     return not self._sleep(delay)
+
+
+def discover_hosts(command, log):
+  """[(host, slots)] from `command`'s 'host:slots' lines; None (and a
+  log line) when it fails or prints something else."""
+  try:
+    proc = subprocess.run(command, shell=True, capture_output=True,
+                          text=True, timeout=30)
+  except subprocess.TimeoutExpired:
+    log(f"--host_discovery did not answer within 30s: {command}")
+    return None
+  hosts = []
+  for line in proc.stdout.split():
+    host, _, count = line.rpartition(":")
+    if not host or not count.isdigit():
+      log(f"--host_discovery printed {line!r}, not host:slots; ignored.")
+      return None
+    hosts.append((host, int(count)))
+  if proc.returncode:
+    log(f"--host_discovery exited {proc.returncode}; ignored.")
+    return None
+  return hosts

@@ -135,10 +135,14 @@ class Job:
   def wait_role(self, role, timeout):
     """Waits for the tasks of `role`; SIGKILL to any still running after
     `timeout` seconds."""
+    self._wait_or_kill([t for t in self.tasks if t.spec.role == role],
+                       timeout)
+
+  def _wait_or_kill(self, tasks, timeout):
+    """Waits for `tasks` together; SIGKILL to any still running after
+    `timeout` seconds."""
     deadline = time.monotonic() + timeout
-    for task in self.tasks:
-      if task.spec.role != role:
-        continue
+    for task in tasks:
       try:
         task.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
       except subprocess.TimeoutExpired:
@@ -219,14 +223,7 @@ class Job:
       self._log(f"stopping {', '.join(t.name for t in running)} (SIGTERM, "
                 f"then SIGKILL after {self._grace_seconds:g}s)")
     self.forward(signal.SIGTERM)
-    deadline = time.monotonic() + self._grace_seconds
-    for task in running:
-      try:
-        task.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-      except subprocess.TimeoutExpired:
-        self._log(f"{task.name} did not stop; SIGKILL")
-        task.process.kill()
-        task.process.wait()
+    self._wait_or_kill(running, self._grace_seconds)
     for task in self.tasks:
       if task.pump:
         task.pump.join(timeout=5)

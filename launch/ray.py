@@ -42,21 +42,18 @@ Needs the `ray` extra: pip install -e '.[cpu,ray]'.
 """
 
 import argparse
-import contextlib
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 
+from . import arguments
 from . import core
 from . import data_service
 from . import description
 from . import processes
+from . import ray_session
 from . import spare
-from tfdist import quiet
 
 try:
   import ray as ray_module
@@ -90,9 +87,9 @@ def parse_args(argv):
                       help="Seconds to wait for the placement group.")
   spare.add_argument(parser)
   description.add_data_workers_argument(parser)
-  core.add_restart_arguments(parser)
+  arguments.add_restart_arguments(parser)
   args = parser.parse_args(argv)
-  core.finish_args(parser, args)
+  arguments.finish_args(parser, args)
   args.spares_per_task = spare.count_from(parser, args)
   if args.cpus_per_task < 0 or args.gpus_per_task < 0:
     parser.error(f"--cpus_per_task and --gpus_per_task must be >= 0. "
@@ -141,7 +138,7 @@ class RayJob:
     self._args = args
     self._ray = ray_module
     self._log = log
-    self._spares = spares  # A RaySpares, or None.
+    self._spares = spares  # ray_spares.ray_spares(), or None.
     self._names = task_names(args.cluster)
     self._group = None
     self._actors = {}  # task name -> actor handle
@@ -240,8 +237,8 @@ class RayJob:
 
   def _spawn_warm(self, spec, env):
     """The task on a spare of its node, or None."""
-    actor = self._spares and self._spares.hand(self._nodes[spec.name],
-                                                spec.argv)
+    actor = self._spares and self._spares.pool(
+        self._nodes[spec.name]).hand(spec.argv)
     if not actor:
       return None
     self._taken.append(actor)
@@ -273,57 +270,6 @@ class PlacementError(core.SlotsUnavailable):
   """Ray cannot place the job's bundles."""
 
 
-class RayUnavailable(RuntimeError):
-  """Ray is not installed, or could not be started or reached."""
-
-
-def _check_reachable(address, timeout=10.0):
-  """Ray retries an unreachable GCS for minutes; say so at once instead."""
-  host, _, port = address.rpartition(":")
-  try:
-    with socket.create_connection((host, int(port)), timeout=timeout):
-      return
-  except (OSError, ValueError) as e:
-    raise RayUnavailable(f"no Ray cluster answers at --address={address} "
-                         f"({e}).") from None
-
-
-@contextlib.contextmanager
-def session(*, address, cpus_needed, log):
-  """Ray for one launcher run, shared with launch.sweep: joins `address`,
-  or starts a local Ray with at least `cpus_needed` logical CPUs (the
-  tasks, not Ray, share the cores) and removes its files at the end.
-  Ray's start-up lines go to a buffer, shown only if it fails."""
-  if ray_module is None:
-    raise RayUnavailable("Ray is not installed; install the extra: pip "
-                         "install -e '.[cpu,ray]'")
-  if address and address != "auto" and "://" not in address:
-    _check_reachable(address)
-  # Short: Ray's socket paths live under it and must stay under 108 bytes.
-  temp_dir = tempfile.mkdtemp(prefix="tfdist-ray-")
-  try:
-    with quiet.native_stderr_captured():
-      if address:
-        ray_module.init(address=address, log_to_driver=False,
-                        logging_level="ERROR", configure_logging=False)
-      else:
-        cpus = max(os.cpu_count() or 1, int(cpus_needed + 0.999))
-        ray_module.init(num_cpus=cpus, include_dashboard=False,
-                        log_to_driver=False, logging_level="ERROR",
-                        configure_logging=False, _temp_dir=temp_dir)
-  except (ConnectionError, RuntimeError, ValueError) as e:
-    shutil.rmtree(temp_dir, ignore_errors=True)
-    raise RayUnavailable(f"could not start or reach Ray "
-                         f"(--address={address}): {e}") from None
-  log(f"joined the Ray cluster at {address}" if address else
-      f"a local Ray is up with {cpus} CPUs")
-  try:
-    yield
-  finally:
-    ray_module.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
-
-
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -331,11 +277,11 @@ def main(argv=None):
     processes.write_line(sys.stdout, f"[launch] {message}")
 
   try:
-    with session(address=args.address, log=log,
+    with ray_session.session(address=args.address, log=log,
                  cpus_needed=len(task_names(args.cluster)) *
                  args.cpus_per_task):
       code = _launch(args, log)
-  except RayUnavailable as e:
+  except ray_session.RayUnavailable as e:
     sys.exit(f"python -m launch.ray: error: {e}")
   sys.exit(code)
 
@@ -415,8 +361,8 @@ def _launch_job(args, log):
     log("warm spares are off with --gpus_per_task: each restart starts "
         "its tasks cold")
   elif args.spares_per_task:
-    spares = ray_spares.RaySpares(ray_module, per_task=args.spares_per_task,
-                                  cpus_per_task=args.cpus_per_task, log=log)
+    spares = ray_spares.ray_spares(ray_module, per_task=args.spares_per_task,
+                                   cpus_per_task=args.cpus_per_task, log=log)
   job = RayJob(args, log=log, spares=spares)
   try:
     # The placement group is reserved with the first attempt's tasks: an

@@ -2,41 +2,41 @@
 tasks, each running `python -m launch.spare` on the node it is pinned to,
 handed a task when the job restarts there."""
 
-import collections
 import os
 
 from . import ray_actor
 from . import spare
 
 
-class RaySpares:
-  """Warm spares in actors of their own, outside the placement group
-  (no CPUs of their own: the task's bundle holds them) and pinned to a
-  node: `per_task` for each task the node runs at once. A spare actor
-  that gets a task is that task's actor from then on; another takes its
-  place in the background."""
+def ray_spares(ray_module, *, per_task, cpus_per_task, log):
+  """A NodeSpares on every node the tasks run on (launch.spare.HostPools,
+  as launch.ssh keeps a pool on every host)."""
+  # Ray gives a task's bundle actor OMP_NUM_THREADS of its CPUs; a spare's
+  # actor has none of its own, and the import reads it.
+  threads = str(max(1, int(cpus_per_task)))
+  return spare.HostPools(
+      make_pool=lambda node: NodeSpares(ray_module, node=node,
+                                        threads=threads, log=log),
+      per_task=per_task)
 
-  def __init__(self, ray_module, *, per_task, cpus_per_task, log):
+
+class NodeSpares:
+  """Warm spares in actors of their own on one node, outside the
+  placement group (no CPUs of their own: the task's bundle holds them).
+  A spare actor that gets a task is that task's actor from then on;
+  another takes its place in the background."""
+
+  def __init__(self, ray_module, *, node, threads, log):
     self._ray = ray_module
-    self._per_task = per_task
-    # Ray gives a task's bundle actor OMP_NUM_THREADS of its CPUs; a
-    # spare's actor has none of its own, and the import reads it.
-    self._threads = str(max(1, int(cpus_per_task)))
+    self._node = node
+    self._threads = threads
     self._log = log
-    self._pools = collections.defaultdict(list)  # node -> [(actor, pid)]
-    self._wanted = collections.Counter()
+    self._pool = []  # [(actor, its spare's pid as a ref)]
+    self._count = 0
     self._env = None
 
-  def plan(self, nodes):
-    """The nodes of an attempt's tasks, one entry per task. A node no
-    task runs on now (gone, or left out) keeps no spares."""
-    tasks = collections.Counter(nodes)
-    for node in [n for n in self._pools if n not in tasks]:
-      for actor, _ in self._pools.pop(node):
-        ray_actor.release(self._ray, actor)
-    self._wanted = collections.Counter({
-        node: max(self._wanted[node], self._per_task * count)
-        for node, count in tasks.items()})
+  def grow_to(self, count):
+    self._count = max(self._count, count)
     self._fill()
 
   def start(self, env):
@@ -49,25 +49,24 @@ class RaySpares:
       return
     from ray.util.scheduling_strategies import \
         NodeAffinitySchedulingStrategy
-    for node, wanted in self._wanted.items():
-      while len(self._pools[node]) < wanted:
-        actor = ray_actor.TaskActor.options(
-            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                node, soft=False)).remote()
-        self._pools[node].append(
-            (actor, actor.warm.remote(spare.REMOTE_MODULE, self._env,
-                                      os.getcwd())))
+    while len(self._pool) < self._count:
+      actor = ray_actor.TaskActor.options(
+          num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+              self._node, soft=False)).remote()
+      self._pool.append(
+          (actor, actor.warm.remote(spare.REMOTE_MODULE, self._env,
+                                    os.getcwd())))
 
-  def hand(self, node, argv):
-    """A spare actor on `node` whose spare has started and waits, or None.
-    One still starting is left for later: its task would wait for it
-    longer than a cold start in the bundle's actor takes."""
+  def hand(self, argv):
+    """A spare actor whose spare has started and waits, or None. One
+    still starting is left for later: its task would wait for it longer
+    than a cold start in the bundle's actor takes."""
     if spare.wants_native_logs(argv[3:]):
       return None
-    pool, kept = self._pools[node], []
+    kept = []
     try:
-      while pool:
-        actor, pid = pool.pop(0)
+      while self._pool:
+        actor, pid = self._pool.pop(0)
         ready, _ = self._ray.wait([pid], timeout=0)
         if not ready:
           kept.append((actor, pid))
@@ -75,11 +74,11 @@ class RaySpares:
         why = self._spare_exit(actor)
         if why is None:
           return actor
-        self._log(f"a warm spare on node {node[:12]} {why}")
+        self._log(f"a warm spare on node {self._node[:12]} {why}")
         ray_actor.release(self._ray, actor)
       return None
     finally:
-      pool[:0] = kept
+      self._pool[:0] = kept
       self._fill()
 
   def _spare_exit(self, actor):
@@ -93,7 +92,7 @@ class RaySpares:
   def pids(self):
     """The pids of the spares started within 10 s (an actor takes about
     a second to start, and the launcher logs this as its tasks start)."""
-    refs = [pid for pool in self._pools.values() for _, pid in pool]
+    refs = [pid for _, pid in self._pool]
     ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=10)
     pids = []
     for ref in ready:
@@ -105,7 +104,6 @@ class RaySpares:
     return pids
 
   def close(self):
-    for pool in self._pools.values():
-      for actor, _ in pool:
-        ray_actor.release(self._ray, actor)
-    self._pools.clear()
+    for actor, _ in self._pool:
+      ray_actor.release(self._ray, actor)
+    self._pool = []

@@ -22,6 +22,7 @@ for the hangup a tty would have given it: SIGHUP to its process group.
 A spare handed its order while still importing goes on at nice 0.
 """
 
+import collections
 import os
 import queue
 import runpy
@@ -263,6 +264,50 @@ class Spares:
       process.kill()
       process.wait()
     self._waiting = []
+
+
+class HostPools:
+  """A pool of spares on every host (or Ray node) the tasks run on:
+  `per_task` spares for each task the host has run at once, started with
+  `start(env)` after the first attempt's tasks, or at once on a host first
+  seen later. A host no task runs on now (dropped, or not offered) keeps
+  none. `make_pool(host)` gives a host's empty pool: a Spares, or any
+  object with its grow_to, start, pids and close."""
+
+  def __init__(self, *, make_pool, per_task):
+    self._make_pool = make_pool
+    self._per_task = per_task
+    self._pools = {}
+    self._env = None
+
+  def pool(self, host):
+    if host not in self._pools:
+      self._pools[host] = self._make_pool(host)
+      if self._env is not None:
+        self._pools[host].start(self._env)
+    return self._pools[host]
+
+  def plan(self, task_hosts):
+    """The hosts of an attempt's tasks, one entry per task."""
+    tasks = collections.Counter(task_hosts)
+    for host in [h for h in self._pools if h not in tasks]:
+      self._pools.pop(host).close()
+    for host, count in tasks.items():
+      self.pool(host).grow_to(self._per_task * count)
+
+  def start(self, env):
+    self._env = dict(env)
+    for pool in self._pools.values():
+      pool.start(self._env)
+
+  @property
+  def pids(self):
+    return [pid for pool in self._pools.values() for pid in pool.pids]
+
+  def close(self):
+    for pool in self._pools.values():
+      pool.close()
+    self._pools = {}
 
 
 if __name__ == "__main__":

@@ -39,21 +39,21 @@ worker dropped for good gives up its slot until discovery offers it again.
 """
 
 import argparse
-import collections
 import dataclasses
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
 
+from . import arguments
 from . import core
 from . import data_service
 from . import description
 from . import processes
 from . import spare
 from . import ssh_hosts
+from . import ssh_remote
 from tfdist import cluster
 
 
@@ -64,7 +64,7 @@ def parse_args(argv):
                       "the workers, the ps tasks, the evaluator. With "
                       "--host_discovery, no workers.")
   description.add_arguments(parser, workers_default=None, elastic=True)
-  core.add_discovery_arguments(parser, hosts_help="")
+  arguments.add_discovery_arguments(parser, hosts_help="")
   parser.add_argument("--port", type=int, default=2222,
                       help="First TF port on each host.")
   parser.add_argument("--ssh_args", default="",
@@ -79,7 +79,7 @@ def parse_args(argv):
                       help="With --data_workers: comma-separated hosts of "
                       "the tf.data service, the dispatcher on the first.")
   parser.add_argument("--dispatcher_port", type=int, default=5050)
-  core.add_restart_arguments(parser)
+  arguments.add_restart_arguments(parser)
   args = parser.parse_args(argv)
   args.data_hosts = [h for h in args.data_hosts.split(",") if h]
   # The dispatcher's work_dir on its host: one per launcher.
@@ -93,7 +93,7 @@ def parse_args(argv):
   others = int(args.chief) + args.ps + int(args.evaluator)
   if args.workers is None:
     args.workers = len(hosts) - others
-  core.finish_args(parser, args)
+  arguments.finish_args(parser, args)
   args.spares_per_task = spare.count_from(parser, args)
   try:
     args.worker_hosts, args.role_hosts = _split_hosts(args, hosts)
@@ -147,91 +147,6 @@ def _role_addresses(desc, hosts, port):
   return roles
 
 
-# The first line a remote task prints: its pid (the shell's, which
-# becomes the task's with exec).
-_PID_LINE = "tfdist-remote-pid "
-
-
-def _remote_line(args, env, module, module_args=()):
-  """The shell line that runs `python -m module` on a remote host: in
-  --workdir, after the pid line (exec: the shell's pid is the task's)."""
-  variables = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-  rest = " ".join(shlex.quote(a) for a in module_args)
-  return (f"cd {shlex.quote(args.workdir)} && echo {_PID_LINE}$$ && "
-          f"{variables} exec {shlex.quote(args.python)} -m {module} {rest}")
-
-
-def remote_command(args, spec):
-  """The shell line run on the remote host for one task."""
-  return _remote_line(args, spec.env, args.module, args.train_args)
-
-
-class RemoteProcess:
-  """The local ssh process of one task, as the launcher's Job sees a
-  process, but for signals: those go to the remote task by its pid."""
-
-  def __init__(self, local, ssh_prefix, host):
-    self._local = local
-    self._kill_argv = [*ssh_prefix, host]
-    self._remote_pid = None
-    self._signallers = []
-    self.pid = local.pid
-    self.stdout = self._lines()
-
-  def _lines(self):
-    for raw in self._local.stdout:
-      text = raw.decode("utf-8", "replace").rstrip("\r\n")
-      if self._remote_pid is None and text.startswith(_PID_LINE):
-        self._remote_pid = int(text[len(_PID_LINE):])
-        continue
-      yield (text + "\n").encode()
-
-  @property
-  def returncode(self):
-    return self._local.returncode
-
-  @property
-  def stdin(self):
-    return self._local.stdin  # A spare's: its order, then its session.
-
-  def poll(self):
-    return self._local.poll()
-
-  def wait(self, timeout=None):
-    code = self._local.wait(timeout=timeout)
-    if self._local.stdin:
-      self._local.stdin.close()
-    for signaller in self._signallers:  # A host gone may never answer.
-      try:
-        signaller.wait(timeout=10)
-      except subprocess.TimeoutExpired:
-        signaller.kill()
-        signaller.wait()
-    self._signallers = []
-    return code
-
-  def send_signal(self, signum):
-    if self._remote_pid is None or self._local.poll() is not None:
-      self._local.send_signal(signum)  # Not started yet, or gone.
-      return
-    self._signallers.append(subprocess.Popen(
-        [*self._kill_argv, f"kill -{int(signum)} {self._remote_pid}"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL))
-
-  def terminate(self):
-    self.send_signal(signal.SIGTERM)
-
-  def kill(self):
-    self.send_signal(signal.SIGKILL)
-    self._local.kill()
-
-
-def _ssh_prefix(args, *options):
-  """ssh with `options` and then the user's --ssh_args."""
-  return ["ssh", *options, *shlex.split(args.ssh_args)]
-
-
 # A waiting spare's connection: ssh ends within 2 minutes when the host
 # is gone (then the spare is not handed a task), where TCP would take
 # far longer. Loose enough that a task on it rides out a stall of the
@@ -243,81 +158,43 @@ _SPARE_KEEPALIVE = ["-o", "ServerAliveInterval=15", "-o",
 def spare_command(args, host):
   """A warm spare on `host`, over ssh without a tty (its stdin carries
   the order); unbuffered, as its output is a pipe."""
-  return [*_ssh_prefix(args, "-T"), *_SPARE_KEEPALIVE, host,
-          _remote_line(args, {"PYTHONUNBUFFERED": "1"}, spare.REMOTE_MODULE)]
+  return [*ssh_remote.ssh_prefix(args, "-T"), *_SPARE_KEEPALIVE, host,
+          ssh_remote.remote_line(args, {"PYTHONUNBUFFERED": "1"},
+                                 spare.REMOTE_MODULE)]
 
 
-class HostSpares:
-  """A launch.spare.Spares on every host tasks run on: `per_task` spares
-  for each task the host has run at once, started with `start()` after
-  the first attempt's tasks, or at once on a host first seen later."""
-
-  def __init__(self, args, *, per_task, log):
-    self._args = args
-    self._per_task = per_task
-    self._log = log
-    self._pools = {}
-    self._env = None
-
-  def _pool(self, host):
-    if host not in self._pools:
-      def start_process(command, env):
-        return RemoteProcess(processes.start_spare(command, env),
-                             _ssh_prefix(self._args), host)
-      self._pools[host] = spare.Spares(
-          command=spare_command(self._args, host), count=0,
-          start_process=start_process, remote=True, log=self._log)
-      if self._env is not None:
-        self._pools[host].start(self._env)
-    return self._pools[host]
-
-  def plan(self, task_hosts):
-    """The hosts of an attempt's tasks, one entry per task. A host no
-    task runs on now (dropped, or not offered) keeps no spares."""
-    tasks = collections.Counter(task_hosts)
-    for host in [h for h in self._pools if h not in tasks]:
-      self._pools.pop(host).close()
-    for host, count in tasks.items():
-      self._pool(host).grow_to(self._per_task * count)
-
-  def start(self, env):
-    self._env = dict(env)
-    for pool in self._pools.values():
-      pool.start(self._env)
-
-  def hand(self, host, *, env):
-    """A spare on `host` running the job's module with `env` (the task's
-    own variables there), or None."""
-    return self._pool(host).hand(module=self._args.module,
-                                 args=self._args.train_args, env=env)
-
-  @property
-  def pids(self):
-    return [pid for pool in self._pools.values() for pid in pool.pids]
-
-  def close(self):
-    for pool in self._pools.values():
-      pool.close()
+def host_spares(args, *, per_task, log):
+  """launch.spare.Spares on every host the tasks run on (HostPools),
+  each over ssh."""
+  def make_pool(host):
+    def start_process(command, env):
+      return ssh_remote.RemoteProcess(processes.start_spare(command, env),
+                                      ssh_remote.ssh_prefix(args), host)
+    return spare.Spares(command=spare_command(args, host), count=0,
+                        start_process=start_process, remote=True, log=log)
+  return spare.HostPools(make_pool=make_pool, per_task=per_task)
 
 
 def spawn(args, spares=None):
-  """Job's spawn for ssh tasks: a spare of its host (a HostSpares), else
-  RemoteProcess around a new local ssh."""
+  """Job's spawn for ssh tasks: a spare of its host (host_spares), else
+  RemoteProcess around a new local ssh. A spare gets the task's own
+  variables there (`env`)."""
   def start(spec, env):
     host = spec.address.rpartition(":")[0]
-    process = spares.hand(host, env=env) if spares else None
+    process = spares.pool(host).hand(
+        module=args.module, args=args.train_args, env=env) if spares else None
     if process is not None:
       process.warm = True
       return process
-    return RemoteProcess(
+    return ssh_remote.RemoteProcess(
         processes.start_local(spec.argv, dict(os.environ)),
-        _ssh_prefix(args), host)
+        ssh_remote.ssh_prefix(args), host)
   return start
 
 
 def ssh_tasks(args, worker_hosts, spares=None):
   """The TaskSpecs of one attempt: args.cluster's workers on the first
-  hosts of `worker_hosts` (a WorkerHosts); `spares` (a HostSpares)
+  hosts of `worker_hosts` (a WorkerHosts); `spares` (host_spares)
   learns the hosts."""
   roles = args.role_hosts
   hosts = (roles["chief"] + worker_hosts.take(args.cluster.workers) +
@@ -332,8 +209,8 @@ def ssh_tasks(args, worker_hosts, spares=None):
   # ssh gets them on its command line.
   return [description.TaskSpec(
       role=s.role, index=s.index, address=s.address, env=s.env,
-      argv=[*_ssh_prefix(args, "-tt"), s.address.rpartition(":")[0],
-            remote_command(args, s)])
+      argv=[*ssh_remote.ssh_prefix(args, "-tt"),
+            s.address.rpartition(":")[0], ssh_remote.remote_command(args, s)])
           for s in specs]
 
 
@@ -355,8 +232,8 @@ def service_commands(args):
     # own host could find a loopback address there (127.0.1.1 in hosts).
     rest = [f"--worker_address={host}:%port%" if a == "--worker_address=auto"
             else a for a in argv[3:]]
-    found[name] = [*_ssh_prefix(args, "-tt"), host,
-                   _remote_line(args, env, argv[2], rest)]
+    found[name] = [*ssh_remote.ssh_prefix(args, "-tt"), host,
+                   ssh_remote.remote_line(args, env, argv[2], rest)]
   return found
 
 
@@ -366,8 +243,8 @@ def _service(args, log):
     return None
 
   def start_process(_, argv, env):
-    return RemoteProcess(processes.start_local(argv, env),
-                         _ssh_prefix(args), argv[-2])
+    return ssh_remote.RemoteProcess(processes.start_local(argv, env),
+                                    ssh_remote.ssh_prefix(args), argv[-2])
   service = data_service.DataService(
       commands_by_name=service_commands(args), start_process=start_process,
       on_give_up=data_service.stop_launcher,
@@ -397,7 +274,7 @@ def main(argv=None):
   finally:
     service.close()
     try:  # The journal; its host may be the one that stopped answering.
-      subprocess.run([*_ssh_prefix(args), args.data_hosts[0],
+      subprocess.run([*ssh_remote.ssh_prefix(args), args.data_hosts[0],
                       f"rm -rf {shlex.quote(args.dispatcher_journal)}"],
                      stdin=subprocess.DEVNULL, capture_output=True,
                      timeout=60, check=False)
@@ -413,7 +290,7 @@ def _run(args, log):
   hosts = ssh_hosts.WorkerHosts(
       args.worker_hosts, command=args.host_discovery,
       min_workers=args.cluster.min_workers or 1, log=log)
-  spares = (HostSpares(args, per_task=args.spares_per_task, log=log)
+  spares = (host_spares(args, per_task=args.spares_per_task, log=log)
             if args.spares_per_task else None)
   return core.Launcher(
       args, make_tasks=lambda a: ssh_tasks(a, hosts, spares),

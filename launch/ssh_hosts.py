@@ -4,7 +4,7 @@ that failed for good kept out for a while."""
 
 import time
 
-from . import core
+from . import membership
 
 
 # A slot whose worker failed for good is not taken again from discovery
@@ -38,7 +38,7 @@ class WorkerHosts:
     """Runs the discovery command; returns the number of slots it
     offers, less those kept out, or None when it cannot tell. An offer
     below MIN is not taken: the running group keeps its hosts."""
-    offered = core.discover_hosts(self._command, self._log)
+    offered = membership.discover_hosts(self._command, self._log)
     if offered is None:
       return None
     hosts = []

@@ -33,9 +33,8 @@ import time
 import yaml
 
 from . import processes
+from . import ray_session
 from tfdist import options as options_lib
-
-from . import ray as ray_launch
 
 try:
   from ray import tune
@@ -316,11 +315,11 @@ def main(argv=None):
   # interrupted; the table shows those trials anyway.
   logging.getLogger("ray.tune").setLevel(logging.ERROR)
   try:
-    with ray_launch.session(address=args.address, log=log,
+    with ray_session.session(address=args.address, log=log,
                             cpus_needed=args.max_concurrent *
                             args.workers_per_trial):
       code = _sweep(args, log, started)
-  except ray_launch.RayUnavailable as e:
+  except ray_session.RayUnavailable as e:
     sys.exit(f"python -m launch.sweep: error: {e}")
   sys.exit(code)
 

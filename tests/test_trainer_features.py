@@ -414,6 +414,33 @@ def test_best_mode_auto_refuses_a_name_it_cannot_place(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
+def test_a_best_export_a_preemption_left_is_written_on_resume(
+    tmp_path, data_dir, callbacks_module):
+  """The eval of step 20 is the best so far (the loss falls at a rate of
+  0.1) and a SIGTERM arrives during it: the run keeps that best and saves
+  at step 20, but leaves the best's export, which could outlast the
+  grace, marked in best.json, and exits 42. The resumed run writes it
+  from the restored weights before it trains on."""
+  outside, _, _ = callbacks_module
+  model_dir = tmp_path / "run"
+  args = _args(model_dir, data_dir, "--train_steps=30", "--eval_every=10",
+               "--learning_rate=0.1", "--best_metric=loss", "--export")
+  first = run_cli(*args, "--callbacks=mycallbacks:sigterm_at_second_eval",
+                  env=_with_path(outside), check=False)
+  assert first.returncode == 42, first.stderr[-3000:]
+  best_file = model_dir / "best_checkpoint" / "best.json"
+  kept = json.loads(best_file.read_text())
+  assert kept["step"] == kept["export_pending_at_step"] == 20, kept
+  resumed = run_cli(*args, env=_with_path(outside))
+  log = resumed.stderr
+  written = log.index("Writing the export of the best eval (step 20), "
+                      "which the previous run left unfinished.")
+  assert written < log.index("Exported SavedModel to") < log.index(
+      "Training"), log[-3000:]
+  assert json.loads(best_file.read_text())["export_pending_at_step"] is None
+  assert (model_dir / "best_export" / "saved_model.pb").exists()
+
+
 @pytest.mark.parametrize("strategy", [[], MIRRORED], ids=["default",
                                                           "mirrored"])
 def test_best_checkpoint_survives_keep_checkpoints_and_is_exported(

@@ -447,7 +447,8 @@ def test_stall_watch_ends_a_call_that_runs_past_its_usual_length():
   assert stall_watch.tf_backstop_seconds(0.0) is None
 
 
-def test_stall_watch_lets_calls_of_usual_length_and_first_calls_run():
+def test_stall_watch_lets_calls_of_usual_length_and_first_calls_run(
+    caplog):
   import time
   watch, exits, _, _ = _stall_watch(0.3)
   with watch.watching("eval"):
@@ -460,6 +461,11 @@ def test_stall_watch_lets_calls_of_usual_length_and_first_calls_run():
     time.sleep(0.4)
   time.sleep(1.0)  # Any timer left armed would have fired by now.
   assert exits == []
+  # Calls longer than the timeout, where TF's own may act first: said
+  # once, for "eval" only.
+  said = [r.getMessage() for r in caplog.records]
+  assert len(said) == 1 and said[0].startswith("eval calls take 2."), said
+  assert "longer than --collective_timeout=0.3: " in said[0], said
   with pytest.raises(ValueError, match="timeout_seconds=0"):
     from tfdist import stall_watch
     stall_watch.StallWatch(timeout_seconds=0, message="x")
@@ -547,6 +553,41 @@ def test_a_kill_while_the_best_is_kept_leaves_one_best(tmp_path,
   assert best.endswith(f"ckpt-{state['step']}"), (best, state)
   reading = tf.train.Checkpoint(weights=tf.Variable([0.0])).read(best)
   reading.assert_existing_objects_matched()
+
+
+def test_a_kill_during_the_best_export_leaves_it_marked(tmp_path):
+  """The best's export is marked pending in best.json before it starts:
+  a kill during it leaves the mark (for the resume), a finished one
+  clears it."""
+  from tfdist import best
+  from tfdist import checkpoints
+  from tfdist import evaluation
+  weights, model_dir = tf.Variable([1.0]), str(tmp_path)
+  store = checkpoints.CheckpointStore(
+      objects={"weights": weights}, model_dir=model_dir, write_dir=model_dir,
+      keep=3, signature={"model": "m", "num_classes": 1, "variables": {}})
+  exports = []
+
+  def export_fn(best):
+    exports.append(best)
+    if len(exports) == 1:
+      raise KeyboardInterrupt  # The process ends in the first export.
+  keeper = evaluation.BestKeeper(
+      tracker=best.BestTracker(metric="loss", mode="min"),
+      checkpoints=store, export_fn=export_fn)
+  with pytest.raises(KeyboardInterrupt):
+    keeper.update(10, {"loss": 1.0}, checkpoint_fn=lambda: store.save(10))
+  assert store.read_best_state()["export_pending_at_step"] == 10
+  resumed = evaluation.BestKeeper(
+      tracker=best.BestTracker(metric="loss", mode="min"),
+      checkpoints=store, export_fn=export_fn)
+  resumed.load()
+  assert resumed.tracker.export_pending_at == 10
+  resumed.finish_export()
+  assert exports == [True, True]
+  assert store.read_best_state()["export_pending_at_step"] is None
+  resumed.finish_export()  # Nothing pending: nothing written again.
+  assert exports == [True, True]
 
 
 def test_optional_state_restores_when_the_checkpoint_holds_it(tmp_path):

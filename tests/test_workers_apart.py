@@ -27,7 +27,8 @@ MWMS = ["--strategy=multi_worker_mirrored", "--model=mlp",
 class Workers:
   """Two MWMS worker processes; worker i writes its output to a file."""
 
-  def __init__(self, tmp_path, model_dirs, args, module="tfdist.train"):
+  def __init__(self, tmp_path, model_dirs, args, module="tfdist.train",
+               env=None):
     ports = [portpicker.pick_unused_port() for _ in model_dirs]
     configs = cluster.build_tf_configs(
         {"worker": [f"127.0.0.1:{port}" for port in ports]})
@@ -40,7 +41,8 @@ class Workers:
              f"--model_dir={model_dir}"], cwd=ROOT, stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ,
-                 "TF_CONFIG": json.dumps(configs[("worker", i)])}))
+                 "TF_CONFIG": json.dumps(configs[("worker", i)]),
+                 **(env or {})}))
 
   def output(self, i):
     return self.logs[i].read_text()
@@ -113,15 +115,18 @@ def test_sigterm_with_a_stalled_peer_exits_within_the_grace(tmp_path,
   """Worker 1 stops taking part at step 40 (tests/stall_worker.py), alive
   and heartbeating: worker 0 waits in a collective with no end. SIGTERM to
   worker 0 ends it within --sigterm_grace_seconds, with one line, code
-  143 and no new checkpoint; then the same for worker 1."""
-  model_dir = tmp_path / "run"
+  143 and no new checkpoint; then the same for worker 1, which removes
+  its scratch model_dir (no launcher owns its TMPDIR, as over SSH)."""
+  model_dir, scratch = tmp_path / "run", tmp_path / "tmp"
+  scratch.mkdir()
   workers = Workers(tmp_path, [model_dir, model_dir], [
       f"--data_dir={data_dir}", "--train_steps=1000000",
       "--sigterm_grace_seconds=5", "--checkpoint_every=0"],
-      module="tests.stall_worker")
+      module="tests.stall_worker", env={"TMPDIR": str(scratch)})
   try:
     workers.wait_for(1, "stall_worker: worker 1 stops taking part")
     time.sleep(2)  # Worker 0 now waits in a collective.
+    assert list(scratch.glob("tfdist-worker1-*"))  # Its model_dir.
     for i in (0, 1):
       started = time.monotonic()
       os.kill(workers.procs[i].pid, signal.SIGTERM)
@@ -135,5 +140,6 @@ def test_sigterm_with_a_stalled_peer_exits_within_the_grace(tmp_path,
                       "stalled); exiting with code 143, without a new "
                       "checkpoint."), last
     assert not list(model_dir.glob("ckpt-*.index"))
+    assert not list(scratch.glob("tfdist-worker1-*")), list(scratch.iterdir())
   finally:
     workers.kill()

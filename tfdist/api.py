@@ -14,13 +14,13 @@ then TensorFlow starts, then the strategy, and only then is user code
 import contextlib
 import dataclasses
 import enum
-import os
 import shutil
 import tempfile
 
 from absl import logging
 
 from tfdist import config as config_lib
+from tfdist import errors
 from tfdist import quiet
 from tfdist.errors import ConfigError
 from tfdist.errors import PORT_TAKEN_EXIT_CODE
@@ -75,7 +75,7 @@ def ensure_writable_dir(path):
   except (OSError, tf.errors.OpError) as e:
     reason = getattr(e, "message", None) or getattr(e, "strerror", None) or e
     raise TfdistError(f"model_dir {path} is not writable: "
-                      f"{str(reason).splitlines()[0][:200]}") from None
+                      f"{errors.first_line(reason, 200)}") from None
 
 
 @contextlib.contextmanager

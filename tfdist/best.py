@@ -56,11 +56,15 @@ class BestTracker:
     # The step whose eval stopped the run; -1: none.
     self.stopped_step = tf.Variable(-1, dtype=tf.int64, trainable=False,
                                     name="early_stopped_step")
+    # The best step whose export is not written yet (a preemption left it
+    # to the resume, or a kill cut it short); -1: none.
+    self.export_pending_step = tf.Variable(
+        -1, dtype=tf.int64, trainable=False, name="export_pending_step")
 
   @property
   def variables(self):
     return [self.best_value, self.best_step, self.evals_without_improvement,
-            self.stopped_step]
+            self.stopped_step, self.export_pending_step]
 
   def state(self):
     return {"metric": self.metric, "mode": self.mode,
@@ -68,13 +72,18 @@ class BestTracker:
             "step": int(self.best_step.numpy()),
             "evals_without_improvement": int(
                 self.evals_without_improvement.numpy()),
-            "early_stopped_at_step": self.stopped_at}
+            "early_stopped_at_step": self.stopped_at,
+            "export_pending_at_step": self.export_pending_at}
 
   @property
   def stopped_at(self):
     """The step whose eval stopped the run, or None."""
-    step = int(self.stopped_step.numpy())
-    return None if step < 0 else step
+    return _step_or_none(self.stopped_step)
+
+  @property
+  def export_pending_at(self):
+    """The best step whose export is still to be written, or None."""
+    return _step_or_none(self.export_pending_step)
 
   def load(self, state):
     """Takes a state() written by an earlier run on the same metric."""
@@ -84,8 +93,10 @@ class BestTracker:
     self.best_value.assign(state["value"])
     self.best_step.assign(state["step"])
     self.evals_without_improvement.assign(state["evals_without_improvement"])
-    stopped = state.get("early_stopped_at_step")
-    self.stopped_step.assign(-1 if stopped is None else stopped)
+    for variable, key in ((self.stopped_step, "early_stopped_at_step"),
+                          (self.export_pending_step,
+                           "export_pending_at_step")):
+      variable.assign(-1 if state.get(key) is None else state[key])
 
   def stopped_at_step(self, step):
     """Whether the eval of `step` stopped the run: restored, an early stop
@@ -118,6 +129,11 @@ class BestTracker:
     if stop:
       self.stopped_step.assign(step)
     return Decision(improved=improved, stop=stop)
+
+
+def _step_or_none(variable):
+  step = int(variable.numpy())
+  return None if step < 0 else step
 
 
 class SidecarStop(keras.callbacks.Callback):

@@ -294,8 +294,10 @@ def _run_parts(config, info, task, *, write_dir, callbacks):
   survivor = state_setup.survivor_state(config, info, parts, store, inputs)
   # With callbacks, which may change the optimizer's variables (its
   # learning rate) after a call, the Trainer commits after them instead.
-  runner = runners.create(info, loops, train_feed=config.train_feed,
-                          survivor=None if keras_callbacks else survivor)
+  runner = runners.create(
+      info, loops, train_feed=config.train_feed,
+      survivor=None if keras_callbacks else survivor,
+      scratch_dir=None if write_dir == config.model_dir else write_dir)
   summaries = summaries_lib.Summaries(
       config.model_dir, enabled=info.is_chief,
       metrics_file=config.metrics_file or None)

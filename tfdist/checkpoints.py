@@ -7,6 +7,7 @@ import json
 from absl import logging
 import tensorflow as tf
 
+from tfdist import errors
 from tfdist import runners
 from tfdist import storage
 from tfdist.errors import CheckpointError
@@ -120,11 +121,11 @@ class CheckpointStore:
         return path
       except UNREADABLE as e:
         logging.warning("Checkpoint %s is unreadable (%s); trying the one "
-                        "before it.", path, str(e).splitlines()[0][:160])
+                        "before it.", path, errors.first_line(e))
       except (AssertionError, ValueError) as e:
         raise CheckpointError(
             f"checkpoint {path} does not match the requested model "
-            f"({str(e).splitlines()[0][:160]}); use another --model_dir "
+            f"({errors.first_line(e)}); use another --model_dir "
             "(nothing was changed).") from None
     if candidates:
       raise CheckpointError(
@@ -175,7 +176,7 @@ class CheckpointStore:
     except UNREADABLE as e:
       raise CheckpointError(
           f"checkpoint {path} is unreadable "
-          f"({str(e).splitlines()[0][:160]}); nothing was changed.") from None
+          f"({errors.first_line(e)}); nothing was changed.") from None
     return path
 
   def new_checkpoints(self, timeout_seconds):
@@ -188,7 +189,7 @@ class CheckpointStore:
         self._checkpoint.restore(path).expect_partial()
       except UNREADABLE as e:
         logging.warning("Skipping unreadable checkpoint %s (%s).", path,
-                        str(e).splitlines()[0][:160])
+                        errors.first_line(e))
         continue
       yield path
 

@@ -75,10 +75,11 @@ class Digits(tfds.core.GeneratorBasedBuilder):
 
 
 @contextlib.contextmanager
-def _temp_dirs_removed():
+def tfds_temp_dirs_removed():
   """tfds makes an empty temporary directory for the GCS metadata of a
   dataset not prepared yet, and never removes it: one per fresh
-  data_dir. Temporary files made meanwhile go in one that is removed."""
+  data_dir. Temporary files made meanwhile go in one that is removed
+  (digits here, and a catalog dataset's builder)."""
   with tempfile.TemporaryDirectory(prefix="tfdist-digits-") as scratch:
     previous, tempfile.tempdir = tempfile.tempdir, scratch
     try:
@@ -96,7 +97,7 @@ def prepare(data_dir):
   os.makedirs(data_dir, exist_ok=True)
   with open(os.path.join(data_dir, ".digits.lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
-    with _temp_dirs_removed():
+    with tfds_temp_dirs_removed():
       builder = Digits(data_dir=data_dir)
     # tfds prints "Downloading ..." to stdout; nothing is downloaded here.
     with contextlib.redirect_stdout(io.StringIO()):

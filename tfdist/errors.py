@@ -1,6 +1,8 @@
 """Errors that the CLI reports as one line, without a traceback."""
 
 import os
+import re
+import shutil
 import sys
 
 from absl import logging
@@ -14,6 +16,18 @@ PORT_TAKEN_EXIT_CODE = 43
 # A task that lost a peer (a collective timed out or was aborted) exits
 # with this: the loss of another task, never an error of its own.
 PEER_LOST_EXIT_CODE = 5
+
+
+def first_line(error, limit=160, *, empty=None):
+  """The first line of `error`'s message, for a one-line error or
+  warning: without TF's {{function_node ...}} tags and its link, cut to
+  `limit` characters. An empty message gives `empty`, or the error's
+  type name."""
+  text = str(getattr(error, "message", None) or error).strip()
+  if not text:
+    return type(error).__name__ if empty is None else empty
+  line = re.sub(r"\{\{[^}]*\}\}\s*", "", text.splitlines()[0])
+  return line.split(": goo.gle")[0].strip()[:limit]
 
 
 class TfdistError(Exception):
@@ -58,3 +72,13 @@ def exit_at_once(message, exit_code, *, err=None, exit_fn=os._exit):  # pylint: 
     pass  # A closed pipe or a hung-up tty must not keep the process alive.
   finally:
     exit_fn(exit_code)
+
+
+def exit_removing(path, exit_fn=os._exit):  # pylint: disable=protected-access
+  """An exit function for exit_at_once that first removes `path`: a
+  non-chief's scratch model_dir, which no launcher may own (SSH) and
+  which os._exit would leave behind."""
+  def exit_now(code):
+    shutil.rmtree(path, ignore_errors=True)
+    exit_fn(code)
+  return exit_now

@@ -55,19 +55,25 @@ class BestKeeper:
   def load(self):
     self.tracker.load(self._checkpoints.read_best_state(mend=True))
 
-  def update(self, step, metrics, checkpoint_fn):
+  def update(self, step, metrics, checkpoint_fn, *, export=True):
     """`checkpoint_fn()` gives this step's checkpoint, called only when
-    the eval is the best (a training run saves it then). Returns whether
-    to stop early."""
+    the eval is the best (a training run saves it then). The best's
+    export is marked pending in best.json, with the best, before it is
+    written: a kill during it leaves the mark, and the resume writes it
+    (finish_export). `export=False` leaves it pending (a preemption was
+    agreed in this eval: the export would outlast its grace). Returns
+    whether to stop early."""
     best = self.tracker
     decision = best.update(step, metrics)
     if decision.improved:
-      kept = self._checkpoints.keep_best(checkpoint_fn(), best.state())
       if self._export_fn:
-        self._export_fn(best=True)
+        best.export_pending_step.assign(step)
+      kept = self._checkpoints.keep_best(checkpoint_fn(), best.state())
       logging.info("Best %s so far: %.4f at step %d%s.", best.metric,
                    metrics[best.metric], step,
                    f", kept in {kept}" if kept else "")
+      if export:
+        self.finish_export()
     else:
       self._checkpoints.update_best_state(best.state())
     if decision.stop:
@@ -76,6 +82,17 @@ class BestKeeper:
                    best.patience, float(best.best_value.numpy()),
                    int(best.best_step.numpy()))
     return decision.stop
+
+  def finish_export(self):
+    """Writes the best's export if it is pending, then clears the mark.
+    Every worker calls it alike (the mark is in the state the chief
+    sends): saving may need collectives."""
+    if self.tracker.export_pending_at is None:
+      return
+    if self._export_fn:
+      self._export_fn(best=True)
+    self.tracker.export_pending_step.assign(-1)
+    self._checkpoints.update_best_state(self.tracker.state())
 
 
 class SidecarEvaluator:

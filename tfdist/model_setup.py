@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tfdist import compiled_loops
 from tfdist import devices
+from tfdist import errors
 from tfdist import placement
 from tfdist import runners
 from tfdist.errors import ConfigError
@@ -19,10 +20,6 @@ def _lost_peer(error):
   worker 0 by one), not the user's model or loss failing on the data:
   it goes up as it is, to end as a lost peer."""
   return runners.is_collective_failure(error)
-
-
-def _first_line(error):
-  return (str(error).splitlines() or [type(error).__name__])[0][:240]
 
 
 def _features(batch):
@@ -88,7 +85,7 @@ def build_model(config, task, sample):
     if _lost_peer(e):
       raise
     raise ConfigError(f"the dataset's features do not fit the model "
-                      f"{task.display_name!r}: {_first_line(e)}") from None
+                      f"{task.display_name!r}: {errors.first_line(e, 240)}") from None
   _warn_summed_variables(model, tf.distribute.get_strategy())
   return model
 
@@ -136,7 +133,7 @@ def check_model_fits_data(task, model, sample):
     if _lost_peer(e):
       raise
     raise ConfigError(f"the dataset's features do not fit the model "
-                      f"{task.display_name!r}: {_first_line(e)}") from None
+                      f"{task.display_name!r}: {errors.first_line(e, 240)}") from None
   try:
     _, outputs = compiled_loops.loss_and_outputs(task, model, features,
                                                  labels, training=False)
@@ -146,7 +143,7 @@ def check_model_fits_data(task, model, sample):
     if _lost_peer(e):
       raise
     raise ConfigError(f"the labels do not fit the loss of "
-                      f"{task.display_name!r}: {_first_line(e)}") from None
+                      f"{task.display_name!r}: {errors.first_line(e, 240)}") from None
   return labels, outputs
 
 

@@ -59,8 +59,9 @@ class SigtermFlag:
   """
 
   def __init__(self, *, grace_seconds, task_name="this task",
-               on_repeat=None):
+               on_repeat=None, exit_fn=os._exit):  # pylint: disable=protected-access
     self._grace_seconds = grace_seconds
+    self._exit_fn = exit_fn
     self._task_name = task_name
     self._on_repeat = on_repeat  # Called on the second SIGTERM.
     self._saving = threading.RLock()  # save_and_stop's save saves.
@@ -144,7 +145,7 @@ class SigtermFlag:
           f"{self._task_name} got SIGTERM and could not stop at an agreed "
           f"step within {self._grace_seconds:g}s (a peer is gone or "
           f"stalled); exiting with code {UNSAVED_EXIT_CODE}, without a new "
-          "checkpoint.", UNSAVED_EXIT_CODE)
+          "checkpoint.", UNSAVED_EXIT_CODE, exit_fn=self._exit_fn)
 
   def save_and_stop(self, save_fn, step_fn):
     """Saves (the watchdog waits meanwhile) and raises PreemptedError."""

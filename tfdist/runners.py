@@ -11,11 +11,13 @@ brings the results back to the host as LoopSums:
 
 import contextlib
 import functools
+import os
 import re
 from typing import Protocol
 
 import tensorflow as tf
 
+from tfdist import errors
 from tfdist import loop_wire
 from tfdist import preemption
 from tfdist import stall_watch
@@ -155,8 +157,12 @@ class SyncRunner:
 
   def __init__(self, strategy, loops, *, preemptible=True, task_name="local",
                peers=(), plain_feed=True, collective_timeout=0.0,
-               survivor=None):
+               survivor=None, scratch_dir=None):
     self._strategy = strategy
+    # The at-once exits (stall, SIGTERM unsaved) remove a non-chief's
+    # scratch model_dir: they skip the unwinding that would.
+    self._exit_fn = (errors.exit_removing(scratch_dir) if scratch_dir
+                     else os._exit)  # pylint: disable=protected-access
     # A tfdist.survivor.SurvivorState, committed after each train call.
     self._survivor = survivor
     self._loops = loops
@@ -170,7 +176,7 @@ class SyncRunner:
     self._save_fn = self._step_fn = None
     self._stall_watch = (stall_watch.StallWatch(
         timeout_seconds=collective_timeout,
-        message=self._peer_message(timed_out=True))
+        message=self._peer_message(timed_out=True), exit_fn=self._exit_fn)
                          if peers and collective_timeout else None)
 
   @contextlib.contextmanager
@@ -180,7 +186,8 @@ class SyncRunner:
       yield preemption.Unwatched()
       return
     self._sigterm = preemption.SigtermFlag(grace_seconds=grace_seconds,
-                                           task_name=self._task_name)
+                                           task_name=self._task_name,
+                                           exit_fn=self._exit_fn)
     self._save_fn, self._step_fn = save_fn, step_fn
     try:
       yield self._sigterm
@@ -331,7 +338,7 @@ class ParameterServerRunner:
       # Worker failures are retried by the coordinator; what reaches here
       # is a lost parameter server (or a bug), which needs a job restart.
       raise PeerError(f"the coordinator lost {_failed_task(e)}: "
-                      f"{e.message.splitlines()[0][:160]}") from None
+                      f"{errors.first_line(e)}") from None
     self._loops.count_steps(sum(size for _, size in results))
     if self._guard:
       self._guard.save_and_exit_if_signalled()
@@ -364,9 +371,11 @@ class ParameterServerRunner:
       self._guard.save_and_exit_if_signalled()
 
 
-def create(strategy_info, loops, *, train_feed="auto", survivor=None):
+def create(strategy_info, loops, *, train_feed="auto", survivor=None,
+           scratch_dir=None):
   """The runner the strategy table names for `strategy_info.name`.
-  `survivor`: a synchronous runner commits it after each train call."""
+  `survivor`: a synchronous runner commits it after each train call.
+  `scratch_dir`: a non-chief's model_dir, removed by an exit at once."""
   kind = strategies.kind(strategy_info.name)
   if kind.runner == "parameter_server":
     return ParameterServerRunner(strategy_info.strategy, loops,
@@ -377,4 +386,4 @@ def create(strategy_info, loops, *, train_feed="auto", survivor=None):
                     peers=strategy_info.peers,
                     plain_feed=train_feed == "auto",
                     collective_timeout=strategy_info.collective_timeout,
-                    survivor=survivor)
+                    survivor=survivor, scratch_dir=scratch_dir)

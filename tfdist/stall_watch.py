@@ -11,7 +11,8 @@ before it counts as stalled), ends the task here, from a timer thread,
 with that line and code. TF's own timeout (`tf_backstop_seconds`) is the
 backstop: for the first call of a loop, whose usual length is not known
 yet, for collectives outside loop calls, and for calls longer than
-`timeout_seconds`, where it may act first (TF's abort, as before).
+`timeout_seconds`, where it may act first (TF's abort, as before): the
+watch says so in one warning, once it knows a call's usual length.
 """
 
 import contextlib
@@ -19,6 +20,8 @@ import os
 import sys
 import threading
 import time
+
+from absl import logging
 
 from tfdist import errors
 from tfdist.errors import PEER_LOST_EXIT_CODE
@@ -48,6 +51,7 @@ class StallWatch:
     self._clock = clock
     # key -> [first call's length, longest later call's length or None].
     self._lengths = {}
+    self._warned = set()  # Keys whose calls outlast the timeout.
 
   def usual_seconds(self, key):
     """The longest call of `key` after its first (which traces), or the
@@ -87,6 +91,23 @@ class StallWatch:
       later = self._lengths[key][1]
       self._lengths[key][1] = seconds if later is None else max(later,
                                                                 seconds)
+      self._warn_if_longer(key)
+
+  def _warn_if_longer(self, key):
+    """Once per key: its calls outlast the timeout, so TF's own timeout
+    may end a stall in one first, with the abort that can crash the task
+    instead of naming the peer."""
+    usual = self.usual_seconds(key)
+    if usual <= self._timeout or key in self._warned:
+      return
+    self._warned.add(key)
+    logging.warning(
+        "%s calls take %.1fs, longer than --collective_timeout=%g: a peer "
+        "that stalls in one may be caught first by TF's own collective "
+        "timeout (%gs), whose abort can end this task by a signal instead "
+        "of naming the peer. Set --collective_timeout above %.0fs, or "
+        "lower --steps_per_loop.", key, usual, self._timeout,
+        tf_backstop_seconds(self._timeout), usual)
 
   def _fire(self, call):
     # No unwinding: the main thread is blocked inside TF, and a clean exit

@@ -28,6 +28,7 @@ survive it). Those resume from the last checkpoint.
 from absl import logging
 import tensorflow as tf
 
+from tfdist import errors
 from tfdist import replica_check
 
 
@@ -102,7 +103,7 @@ class SurvivorState:
       logging.warning("%s lost a peer and could not write its state at "
                       "step %d (%s): the next group resumes from the last "
                       "checkpoint.", self._task_name, step,
-                      str(e).splitlines()[0][:160])
+                      errors.first_line(e))
       return None
     logging.warning("%s lost a peer; kept the state of its last loop call "
                     "that ended, step %d, in %s: the next group resumes "

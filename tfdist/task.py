@@ -31,6 +31,7 @@ import inspect
 import os
 import sys
 
+from tfdist import errors
 from tfdist.errors import ConfigError
 
 
@@ -233,7 +234,7 @@ def import_object(reference, *, flag):
   try:
     module = importlib.import_module(module_name)
   except Exception as e:  # The user's module may raise anything.
-    first = (str(e).splitlines() or [""])[0][:200]
+    first = errors.first_line(e, 200, empty="")
     raise ConfigError(f"--{flag}={reference}: cannot import {module_name!r} "
                       f"({type(e).__name__}: {first})") from None
   target = module
@@ -252,7 +253,7 @@ def call_user(function, *, flag, reference):
   except ConfigError:
     raise
   except Exception as e:  # The user's code may raise anything.
-    first = (str(e).splitlines() or [""])[0][:200]
+    first = errors.first_line(e, 200, empty="")
     raise ConfigError(f"--{flag}={reference} failed: {type(e).__name__}: "
                       f"{first}") from None
 

@@ -205,6 +205,8 @@ class Trainer:
             ", ".join(changed[:3]), self.step)
     if (restored or self.step != own_step) and self._after_restore:
       self._after_restore()
+    if self._best:
+      self._finish_pending_export()
     self._last_checkpoint = restored
     self._saved_step = self.step if restored else None
     if self._checkpoints.is_survivor_state(restored):
@@ -214,6 +216,24 @@ class Trainer:
       self._save(self.step)
     self._checkpoints.remove_survivor_states()
     return restored
+
+  def _finish_pending_export(self):
+    """The best's export that a preemption left, or a kill cut short, is
+    written now, from the restored weights when they are that best's."""
+    pending = self._best.tracker.export_pending_at
+    if pending is None:
+      return
+    if pending != self.step:
+      logging.warning(
+          "The export of the best eval (step %d) was never finished, and "
+          "this run resumed at step %d: best_checkpoint/ holds that best; "
+          "best_export/ is an older best's until the next best.",
+          pending, self.step)
+      self._best.tracker.export_pending_step.assign(-1)
+      return
+    logging.info("Writing the export of the best eval (step %d), which "
+                 "the previous run left unfinished.", pending)
+    self._best.finish_export()
 
   def evaluate(self, step):
     """One exact eval pass; its agreed stop is acted on in _after_eval."""
@@ -287,14 +307,17 @@ class Trainer:
     return metrics
 
   def _after_eval(self, step, metrics, train_logs):
-    """The best and the callbacks take the eval; then a SIGTERM agreed
-    during it saves and stops (out of the eval weights, and with this
-    eval counted, as an uninterrupted run counts it). Returns whether to
-    stop early."""
+    """The best and the callbacks take the eval, then the best's export
+    is written; a SIGTERM agreed during the eval leaves that export to
+    the resume (it could outlast the grace), saves and stops (out of the
+    eval weights, and with this eval counted, as an uninterrupted run
+    counts it). Returns whether to stop early."""
     early_stop = self._track_best(step, metrics)
     if self._callbacks:
       self._callbacks.eval_end(step, metrics, train_logs)
       self._commit_survivor_state(step)
+    if self._best and not self._eval_sums.stop:
+      self._best.finish_export()
     self._runner.stop_if_signalled(self._eval_sums)
     return early_stop
 
@@ -311,7 +334,8 @@ class Trainer:
     if not self._best:
       return False
     return self._best.update(step, metrics,
-                             checkpoint_fn=self._saved_checkpoint)
+                             checkpoint_fn=self._saved_checkpoint,
+                             export=False)
 
   def _saved_checkpoint(self):
     self._save_unless_saved()

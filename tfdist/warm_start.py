@@ -16,6 +16,7 @@ from absl import logging
 import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
+from tfdist import errors
 from tfdist.errors import CheckpointError
 
 _KERAS_SUFFIXES = (".weights.h5", ".keras")
@@ -121,7 +122,7 @@ def load(model, path, *, skip=""):
   except (tf.errors.OpError, ValueError, OSError, AssertionError) as e:
     raise CheckpointError(
         f"--init_checkpoint={path} does not fit this model "
-        f"({str(e).splitlines()[0][:160]}); nothing was changed.") from None
+        f"({errors.first_line(e)}); nothing was changed.") from None
   for variable, value in initial:
     variable.assign(value)
   logging.info("Warm start: model weights from %s%s.", source,

@@ -8,6 +8,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from tfdist import digits
+from tfdist import errors
 from tfdist.data import cache as cache_lib
 from tfdist.data import files
 from tfdist.data import sources
@@ -99,12 +100,13 @@ def _catalog_builder(name, data_dir):
     raise ConfigError(
         f"Unrecognized dataset: {name!r}. Valid: digits, synthetic, or a tfds "
         "catalog name such as mnist, cifar10, fashion_mnist.")
-  builder = tfds.builder(name, data_dir=data_dir)
   try:
-    builder.download_and_prepare()
+    with digits.tfds_temp_dirs_removed():
+      builder = tfds.builder(name, data_dir=data_dir)
+      builder.download_and_prepare()
   except Exception as e:  # tfds raises many types for a failed download.
     raise TfdistError(f"could not prepare tfds dataset {name!r} in "
-                      f"{data_dir}: {str(e).splitlines()[0][:200]}") from None
+                      f"{data_dir}: {errors.first_line(e, 200)}") from None
   return builder
 
 

@@ -21,6 +21,7 @@ from typing import Callable, Mapping, Optional, Sequence, Tuple, Union
 from absl import logging
 import tensorflow as tf
 
+from tfdist import errors
 from tfdist.data import cache as cache_lib
 from tfdist.data import counts as counts_lib
 from tfdist.data import order
@@ -125,7 +126,7 @@ def _expand(patterns, split, name):
       matched = tf.io.gfile.glob(pattern)
     except tf.errors.OpError as e:
       raise ConfigError(f"{name}: cannot list {split} files {pattern!r}: "
-                        f"{e.message.splitlines()[0][:160]}") from None
+                        f"{errors.first_line(e)}") from None
     if not matched:
       raise ConfigError(f"{name}: no {split} file matches {pattern!r}.")
     paths.update(matched)

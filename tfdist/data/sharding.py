@@ -2,10 +2,9 @@
 keeps its slice of each global batch) or `file` (each host reads only its
 own files)."""
 
-import re
-
 import tensorflow as tf
 
+from tfdist import errors
 from tfdist.data import order
 from tfdist.errors import ConfigError
 
@@ -84,7 +83,7 @@ def _hand_built_sharding(dataset, sharding, num_hosts):
     raise ConfigError(
         f"--input_sharding=file: TF's auto-shard rewrite cannot deal "
         f"{dataset.name}'s files out to {num_hosts} hosts ("
-        f"{_tf_reason(e)}). Use --input_sharding=batch (or "
+        f"{errors.first_line(e, 200)}). Use --input_sharding=batch (or "
         f"auto), or a tfdist.FileData. Received: input_sharding=file with "
         f"{num_hosts} hosts") from None
 
@@ -122,12 +121,6 @@ def _left_out(dataset, num_hosts, seed):
   split = dataset.file_split
   return (order.left_out_share(split.counts, num_hosts, seed) if split
           else 0.0)
-
-
-def _tf_reason(error):
-  """TF's own words, without the function name and the link."""
-  line = re.sub(r"\{\{[^}]*\}\}\s*", "", str(error).splitlines()[0])
-  return line.split(": goo.gle")[0].strip()[:200]
 
 
 def describe(dataset, mode, sharding, num_hosts, streamed, seed):

@@ -17,6 +17,7 @@ from typing import Callable, Optional, Tuple
 from absl import logging
 import tensorflow as tf
 
+from tfdist import errors
 from tfdist.errors import ConfigError
 
 
@@ -239,7 +240,7 @@ def portable_source(dataset, name, cache=True):
         except tf.errors.FailedPreconditionError as e:
           logging.warning(
               "%s holds state of this process (%s); other tasks get a "
-              "fresh copy of it.", name, str(e).splitlines()[0][:160])
+              "fresh copy of it.", name, errors.first_line(e))
           graph.append(_graph_def(dataset, _WARN))
     return graph[0]
 
