@@ -156,9 +156,15 @@ def test_every_strategy_trains_on_the_streamed_files(outside, tmp_path):
   _run(outside, "tfdist.train",
        [*common, "--strategy=mirrored", "--num_cpu_devices=2",
         f"--model_dir={dirs['mirrored']}"], local)
-  _run(outside, "tfdist.launch.local",
-       ["--workers=2", "--", *common, "--strategy=multi_worker_mirrored",
-        f"--model_dir={dirs['mwms']}"], local)
+  evals = {"default": _final_eval(output)}
+  output = _run(outside, "tfdist.launch.local",
+                ["--workers=2", "--", *common,
+                 "--strategy=multi_worker_mirrored",
+                 f"--model_dir={dirs['mwms']}"], local)
+  # The eval files, read by file (each worker its own), evaluate what
+  # one process does.
+  assert "each of the 2 hosts reads only its own eval files" in output
+  evals["mwms"] = _final_eval(output)
   output = _run(outside, "tfdist.launch.local",
                 ["--chief", "--workers=2", "--ps=1", "--", *common,
                  "--strategy=parameter_server",
@@ -172,6 +178,15 @@ def test_every_strategy_trains_on_the_streamed_files(outside, tmp_path):
   for name in ("mirrored", "mwms"):
     artifacts.assert_weights_close(artifacts.model_weights(dirs[name]),
                                    expected, rtol=1e-5)
+  assert evals["mwms"][1] == evals["default"][1], evals
+  assert evals["mwms"][0] == pytest.approx(evals["default"][0], abs=1e-4)
+
+
+def _final_eval(output):
+  """({metric: value}, examples) of the last eval line."""
+  line = re.findall(r"eval  step \d+: (.*)  \((\d+) examples\)", output)[-1]
+  return ({name: float(value) for name, value in
+           re.findall(r"(\w+) (-?[0-9.]+)", line[0])}, int(line[1]))
 
 
 def test_two_workers_read_their_own_files_of_a_hand_built_pipeline(

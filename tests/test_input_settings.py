@@ -559,6 +559,28 @@ def test_streamed_eval_parses_a_share_per_host_and_stays_exact(root):
   assert sorted(real) == list(range(12)) and len(calls) == 16
 
 
+def test_streamed_eval_on_hosts_reads_their_own_files(root):
+  """The eval files of 7 and 5 records on 2 hosts, as eval_steps counts
+  them for 2: host 0 reads the first file only, host 1 the second, each
+  padded to the 2 batches of 4 that the first needs; together each
+  example once."""
+  dataset = data.file_dataset(data.FileData(
+      train=f"{root}/train-*", eval=f"{root}/eval-*",
+      parse=_file_data(root).parse), "eval")
+  assert data.eval_steps(dataset, global_batch_size=8, num_hosts=2) == 2
+  real = []
+  for host in range(2):
+    context = tf.distribute.InputContext(num_input_pipelines=2,
+                                         input_pipeline_id=host,
+                                         num_replicas_in_sync=2)
+    batches = list(data.eval_input_fn(dataset, global_batch_size=8,
+                                      num_hosts=2)(context))
+    assert len(batches) == 2
+    real.append(sorted(l for _, labels, mask in batches
+                       for l, m in zip(labels.numpy(), mask.numpy()) if m))
+  assert real == [list(range(7)), list(range(7, 12))]
+
+
 def test_batch_sharding_takes_examples_of_any_shape(root):
   """Each host keeps its batches before the augment: parsed examples of
   varying length, which the augment makes one length, pass (a batch of

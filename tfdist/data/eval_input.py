@@ -1,15 +1,22 @@
 """The eval input: the test split padded with masked examples to whole
-global batches, so that eval counts each real example exactly once."""
+global batches, so that eval counts each real example exactly once. A
+split streamed from its files, on several hosts, is read by file: each
+host reads only its own files (about 1/N of the bytes), padded to as many
+batches as the host with the most records needs."""
 
 import math
 
 import tensorflow as tf
 
 from tfdist.data import cache as cache_lib
+from tfdist.data import order
 from tfdist.data import sharding as sharding_lib
 from tfdist.data import sources
 
 SYNTHETIC_EVAL_STEPS = 10
+# Eval reads by file when that pads at most this share of batches more
+# than reading by batch would (or one batch, for a small eval).
+MAX_EXTRA_EVAL_STEPS = 0.02
 
 
 def _unit_mask(features, labels, *sample_weight):
@@ -17,23 +24,58 @@ def _unit_mask(features, labels, *sample_weight):
   return (features, labels, tf.ones([size], tf.float32), *sample_weight)
 
 
-def eval_steps(dataset: sources.Dataset, *, global_batch_size, requested=0):
+def eval_steps(dataset: sources.Dataset, *, global_batch_size, requested=0,
+               num_hosts=1, cache="auto"):
   """Number of eval batches: one full pass unless `requested` caps it."""
   if dataset.num_test_examples is None:
     return requested or SYNTHETIC_EVAL_STEPS
-  full = math.ceil(dataset.num_test_examples / global_batch_size)
+  full = by_file_steps(dataset, global_batch_size, num_hosts, cache) or (
+      math.ceil(dataset.num_test_examples / global_batch_size))
   return min(requested, full) if requested else full
 
 
-def eval_input_fn(dataset: sources.Dataset, *, global_batch_size,
-                  cache="auto"):
-  """Pads the test split with masked (mask 0) examples to whole global
-  batches. A split read from files is streamed unless --cache says
-  otherwise: every host reads it whole, in file order."""
-  num_real = dataset.num_test_examples
+def eval_files_of_hosts(counts, hosts):
+  """[[file index, ...] of each host]: each file, the largest first, to
+  the host with the fewest records so far (the same on every host)."""
+  owned, sizes = [[] for _ in range(hosts)], [0] * hosts
+  for index in sorted(range(len(counts)), key=lambda i: (-counts[i], i)):
+    host = min(range(hosts), key=lambda h: (sizes[h], h))
+    owned[host].append(index)
+    sizes[host] += counts[index]
+  return [sorted(files) for files in owned]
+
+
+def _policy(dataset, cache):
   # Eval is rebuilt for every evaluation: a memory cache would be filled
   # again each time, so `auto` streams it.
-  policy = cache_lib.Policy.of(dataset, "off" if cache == "auto" else cache)
+  return cache_lib.Policy.of(dataset, "off" if cache == "auto" else cache)
+
+
+def by_file_steps(dataset, global_batch_size, hosts, cache):
+  """The eval batches when each of `hosts` reads its own files, or None
+  where every host reads the split (one host, a split not streamed from
+  files, fewer files than hosts, or hosts too uneven)."""
+  split = dataset.eval_split
+  if hosts < 2 or split is None or len(split.paths) < hosts or (
+      _policy(dataset, cache).cache != "off"):
+    return None
+  per_host = global_batch_size // hosts
+  steps = max(math.ceil(sum(split.counts[i] for i in files) / per_host)
+              for files in eval_files_of_hosts(split.counts, hosts))
+  by_batch = math.ceil(split.num_examples / global_batch_size)
+  return steps if steps - by_batch <= max(
+      1, MAX_EXTRA_EVAL_STEPS * by_batch) else None
+
+
+def eval_input_fn(dataset: sources.Dataset, *, global_batch_size,
+                  cache="auto", num_hosts=1):
+  """Pads the test split with masked (mask 0) examples to whole global
+  batches. A split read from files is streamed unless --cache says
+  otherwise: on the `num_hosts` hosts eval_steps was counted for, each
+  reads its own files where it can (_by_file_steps), else every host
+  reads it whole, in file order, and parses its batches only."""
+  num_real = dataset.num_test_examples
+  policy = _policy(dataset, cache)
 
   def real_mask(indices, batch):
     features, labels, *sample_weight = batch
@@ -41,11 +83,15 @@ def eval_input_fn(dataset: sources.Dataset, *, global_batch_size,
             *sample_weight)
 
   def input_fn(context):
-    per_host = global_batch_size // context.num_input_pipelines
+    hosts, per_host = context.num_input_pipelines, (
+        global_batch_size // context.num_input_pipelines)
+    by_file = hosts == num_hosts and by_file_steps(
+        dataset, global_batch_size, hosts, cache)
+    if by_file:
+      return _own_files_eval(dataset.eval_split, by_file, per_host, context)
     source = policy.source(
         dataset, dataset.test_source,
-        cache_lib.host_name("eval", context.input_pipeline_id,
-                            context.num_input_pipelines))()
+        cache_lib.host_name("eval", context.input_pipeline_id, hosts))()
     if num_real is None:
       return sharding_lib.host_slice(
           source.repeat().batch(per_host, drop_remainder=True), context,
@@ -60,6 +106,31 @@ def eval_input_fn(dataset: sources.Dataset, *, global_batch_size,
     return sharding_lib.host_slice(source.concatenate(blank).enumerate().batch(
         per_host, drop_remainder=True), context, per_host, real_mask)
   return input_fn
+
+
+def _own_files_eval(split, steps, per_host, context):
+  """This host's files of the split (eval_files_of_hosts), masked
+  padding after them to `steps` batches."""
+  mine = eval_files_of_hosts(split.counts, context.num_input_pipelines)[
+      context.input_pipeline_id]
+  own = sum(split.counts[i] for i in mine)
+  records = order.interleave(
+      tf.constant([split.paths[i] for i in mine]),
+      tf.zeros([len(mine)], tf.int64), split) if mine else (
+          split.records().take(0))
+  # Padding repeats the split's first records, masked: a host may own none.
+  padded = records.concatenate(split.records().repeat().take(
+      steps * per_host - own))
+
+  def masked(index, record):
+    features, labels, *sample_weight = split.parse(record)
+    return (features, labels, tf.cast(index < own, tf.float32),
+            *sample_weight)
+  batches = padded.enumerate().map(
+      masked, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).batch(
+          per_host, drop_remainder=True)
+  return sharding_lib.host_slice(batches, context, per_host, None,
+                                 sliced=True)
 
 
 def _streamed_eval(split, padding, per_host, context):

@@ -89,6 +89,12 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
             dataset, mode, sharding, num_hosts, policy.planned, seed)))
   # File sharding on asynchronous workers keeps the run's plan (its seed).
   workers = num_hosts if asynchronous and mode == "file" else None
+  # Parameter servers evaluate on the coordinator alone.
+  eval_hosts = 1 if asynchronous else num_hosts
+  if eval_input.by_file_steps(dataset, global_batch_size, eval_hosts, cache):
+    logging.info("Eval input: each of the %d hosts reads only its own eval "
+                 "files, padded to the batches of the host with the most "
+                 "records.", eval_hosts)
   return Inputs(
       plan={**plan_lib.input_plan(dataset, global_batch_size, seed,
                                   shuffle_buffer),
@@ -101,10 +107,12 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
           sharding=mode, cache=cache, shuffle_buffer=shuffle_buffer,
           workers=workers, resolved_for=num_hosts),
       eval_fn=lambda: eval_input.eval_input_fn(
-          dataset, global_batch_size=global_batch_size, cache=cache),
+          dataset, global_batch_size=global_batch_size, cache=cache,
+          num_hosts=eval_hosts),
       eval_steps=eval_input.eval_steps(
           dataset, global_batch_size=global_batch_size,
-          requested=eval_steps_requested),
+          requested=eval_steps_requested, num_hosts=eval_hosts,
+          cache=cache),
       sample=sources.sample_batch(dataset),
       features_spec=sources.features_spec(dataset),
       image_input=dataset.input_shape is not None,
