@@ -43,8 +43,10 @@ Needs the `ray` extra: pip install -e '.[cpu,ray]'.
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from . import arguments
@@ -230,8 +232,9 @@ class RayJob:
       actor = self._actors[spec.name]
       if not ray_actor.alive(self._ray, actor):
         actor = self._actors[spec.name] = self._new_actor(spec.name)
-      process = ray_actor.RemoteProcess(self._ray, actor, spec.argv, env,
-                                        cwd=os.getcwd())
+      process = ray_actor.RemoteProcess(
+          self._ray, actor, spec.argv, env, cwd=os.getcwd(),
+          scratch_root=self._args.scratch_root)
     self._log(f"{spec.name} runs in Ray actor pid={process.actor_pid}")
     return process
 
@@ -243,8 +246,9 @@ class RayJob:
       return None
     self._taken.append(actor)
     try:
-      process = ray_actor.RemoteProcess(self._ray, actor, spec.argv, env,
-                                        cwd=os.getcwd(), warm_only=True)
+      process = ray_actor.RemoteProcess(
+          self._ray, actor, spec.argv, env, cwd=os.getcwd(), warm_only=True,
+          scratch_root=self._args.scratch_root)
     except (ray_actor.NoSpare, self._ray.exceptions.RayError) as e:
       self._log(f"{spec.name} starts cold: its spare could not take it "
                 f"({e})")
@@ -276,13 +280,18 @@ def main(argv=None):
   def log(message):
     processes.write_line(sys.stdout, f"[launch] {message}")
 
+  # The tasks' scratch directories on this machine, removed at the end,
+  # also those of actors killed with their node.
+  args.scratch_root = tempfile.mkdtemp(prefix="tfdist-ray-scratch-")
   try:
     with ray_session.session(address=args.address, log=log,
-                 cpus_needed=len(task_names(args.cluster)) *
-                 args.cpus_per_task):
+                             cpus_needed=len(task_names(args.cluster)) *
+                             args.cpus_per_task):
       code = _launch(args, log)
   except ray_session.RayUnavailable as e:
     sys.exit(f"python -m launch.ray: error: {e}")
+  finally:
+    shutil.rmtree(args.scratch_root, ignore_errors=True)
   sys.exit(code)
 
 
@@ -318,7 +327,8 @@ def _service(args, log):
           data_workers=args.cluster.data_workers,
           module=data_service.REMOTE_MODULE, worker_address="auto"),
       start_process=lambda name, argv, env: ray_actor.RemoteProcess(
-          ray_module, actor_for(name), argv, env, cwd=os.getcwd()),
+          ray_module, actor_for(name), argv, env, cwd=os.getcwd(),
+          scratch_root=args.scratch_root),
       on_give_up=data_service.stop_launcher,
       log=log, write=lambda name, line: processes.write_line(
           sys.stdout, f"{name} | {line}"))

@@ -148,11 +148,16 @@ class TaskActor:
     """The Ray node this actor runs on."""
     return ray.get_runtime_context().get_node_id()
 
-  def start(self, argv, env, cwd, warm_only=False):
+  def start(self, argv, env, cwd, warm_only=False, scratch_root=None):
     """Starts `argv` with this node's Python; returns (pid, actor pid).
     `warm_only`: on this actor's spare, else nothing starts and it
-    returns None (the launcher starts it cold in the task's bundle)."""
-    scratch = tempfile.mkdtemp(prefix="tfdist-ray-task-")
+    returns None (the launcher starts it cold in the task's bundle).
+    `scratch_root`: the launcher's directory for the tasks' scratch
+    directories, used where it exists (the launcher's machine): the
+    launcher removes it, also after an actor killed with its node."""
+    scratch = tempfile.mkdtemp(
+        prefix="tfdist-ray-task-", dir=scratch_root if scratch_root and (
+            os.path.isdir(scratch_root)) else None)
     env = {**os.environ, **env, "TMPDIR": scratch}
     argv = [sys.executable, *argv[1:]]
     process = self._hand_to_spare(argv, env)
@@ -222,12 +227,14 @@ class RemoteProcess:
   """A task process in an actor, seen as a subprocess.Popen: pid, poll(),
   wait(), send_signal(), kill(), and stdout to iterate over."""
 
-  def __init__(self, ray_module, actor, argv, env, *, cwd, warm_only=False):
+  def __init__(self, ray_module, actor, argv, env, *, cwd, warm_only=False,
+               scratch_root=None):
     self._ray = ray_module
     self._actor = actor
     self._returncode = None
     self.lost = False  # The actor is gone (its node, say), not just exited.
-    started = ray_module.get(actor.start.remote(argv, env, cwd, warm_only))
+    started = ray_module.get(actor.start.remote(argv, env, cwd, warm_only,
+                                                scratch_root))
     if started is None:
       raise NoSpare("the spare could not take the task")
     self.pid, self.actor_pid = started

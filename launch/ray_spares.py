@@ -17,7 +17,24 @@ def ray_spares(ray_module, *, per_task, cpus_per_task, log):
   return spare.HostPools(
       make_pool=lambda node: NodeSpares(ray_module, node=node,
                                         threads=threads, log=log),
-      per_task=per_task)
+      per_task=per_task,
+      pids_of=lambda pools: ready_pids(
+          ray_module, [ref for pool in pools for ref in pool.pid_refs]))
+
+
+def ready_pids(ray_module, refs):
+  """The pids of the spares (refs of their pids) started within 10 s, all
+  nodes at once (an actor takes about a second to start, and the
+  launcher logs this as its tasks start)."""
+  ready, _ = ray_module.wait(refs, num_returns=len(refs), timeout=10)
+  pids = []
+  for ref in ready:
+    try:
+      pids.append(ray_module.get(ref, timeout=5))
+    except (ray_module.exceptions.RayError,
+            ray_module.exceptions.GetTimeoutError):
+      pass  # Its actor could not start the spare: hand() says why.
+  return pids
 
 
 class NodeSpares:
@@ -89,19 +106,12 @@ class NodeSpares:
       return f"is gone ({type(e).__name__})"
 
   @property
+  def pid_refs(self):
+    return [pid for _, pid in self._pool]
+
+  @property
   def pids(self):
-    """The pids of the spares started within 10 s (an actor takes about
-    a second to start, and the launcher logs this as its tasks start)."""
-    refs = [pid for _, pid in self._pool]
-    ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=10)
-    pids = []
-    for ref in ready:
-      try:
-        pids.append(self._ray.get(ref, timeout=5))
-      except (self._ray.exceptions.RayError,
-              self._ray.exceptions.GetTimeoutError):
-        pass  # Its actor could not start the spare: hand() says why.
-    return pids
+    return ready_pids(self._ray, self.pid_refs)
 
   def close(self):
     for actor, _ in self._pool:

@@ -272,11 +272,14 @@ class HostPools:
   `start(env)` after the first attempt's tasks, or at once on a host first
   seen later. A host no task runs on now (dropped, or not offered) keeps
   none. `make_pool(host)` gives a host's empty pool: a Spares, or any
-  object with its grow_to, start, pids and close."""
+  object with its grow_to, start, pids and close. `pids_of(pools)`: the
+  pids of all of them at once, where each pool would wait on its own."""
 
-  def __init__(self, *, make_pool, per_task):
+  def __init__(self, *, make_pool, per_task, pids_of=None):
     self._make_pool = make_pool
     self._per_task = per_task
+    self._pids_of = pids_of or (
+        lambda pools: [pid for pool in pools for pid in pool.pids])
     self._pools = {}
     self._env = None
 
@@ -302,7 +305,7 @@ class HostPools:
 
   @property
   def pids(self):
-    return [pid for pool in self._pools.values() for pid in pool.pids]
+    return self._pids_of(list(self._pools.values()))
 
   def close(self):
     for pool in self._pools.values():

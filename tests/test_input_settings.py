@@ -581,6 +581,38 @@ def test_streamed_eval_on_hosts_reads_their_own_files(root):
   assert real == [list(range(7)), list(range(7, 12))]
 
 
+def test_eval_reads_by_batch_where_reading_by_file_would_differ(
+    root, tmp_path):
+  """Every host reads the eval split where its own files would pad more
+  batches (files of 30 and 2: 15 batches of 2 against 8), where hosts
+  outnumber the files, and where --eval_steps caps the eval below its
+  batches by file (the same examples on any number of hosts: host 0's
+  first batch holds records of both files, interleaved)."""
+  from tfdist.data import eval_input
+  uneven = tmp_path / "uneven"
+  uneven.mkdir()
+  _write(str(uneven), [30, 2], prefix="eval")
+  _write(str(uneven), [8, 8])
+  lopsided = data.file_dataset(data.FileData(
+      train=f"{uneven}/train-*", eval=f"{uneven}/eval-*",
+      parse=_file_data(root).parse), "uneven")
+  assert eval_input.by_file_steps(lopsided, 4, 2, "auto") is None
+  assert data.eval_steps(lopsided, global_batch_size=4, num_hosts=2) == 8
+  dataset = data.file_dataset(data.FileData(
+      train=f"{root}/train-*", eval=f"{root}/eval-*",
+      parse=_file_data(root).parse), "eval")
+  assert eval_input.by_file_steps(dataset, 12, 3, "auto") is None
+  assert eval_input.by_file_steps(dataset, 8, 2, "auto") == 2
+  capped = data.inputs_from_dataset(dataset, global_batch_size=8, seed=1,
+                                    num_hosts=2, eval_steps_requested=1)
+  assert capped.eval_steps == 1
+  context = tf.distribute.InputContext(num_input_pipelines=2,
+                                       input_pipeline_id=0,
+                                       num_replicas_in_sync=2)
+  _, labels, _ = next(iter(capped.eval_fn()(context)))
+  assert sorted(labels.numpy()) == [0, 1, 7, 8]
+
+
 def test_batch_sharding_takes_examples_of_any_shape(root):
   """Each host keeps its batches before the augment: parsed examples of
   varying length, which the augment makes one length, pass (a batch of

@@ -5,11 +5,13 @@ private network namespace with only `lo` up: there Ray falls back to
 Every task is an unchanged `python -m tfdist.train` run by a Ray actor.
 """
 
+import glob
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -70,6 +72,12 @@ def _assert_no_task_left(output):
   assert not [p for p in started if process_alive(p)], "a task or actor lived on"
 
 
+def _ray_task_dirs():
+  """The scratch directories of Ray tasks in this machine's temp dir."""
+  return set(glob.glob(os.path.join(tempfile.gettempdir(),
+                                    "tfdist-ray-task-*")))
+
+
 def _assert_nothing_left(output, daemons_before):
   _assert_no_task_left(output)
   assert _ray_daemons() <= daemons_before, "Ray's daemons survived"
@@ -78,7 +86,7 @@ def _assert_nothing_left(output, daemons_before):
 def test_multi_worker_job_survives_a_killed_actor(netns, tmp_path, data_dir):
   # The restart policy is launch.core's, tested with scripted tasks in CI.
   long_test("about 50 s")
-  daemons = _ray_daemons()
+  daemons, scratch_before = _ray_daemons(), _ray_task_dirs()
   model_dir = str(tmp_path / "run")
   run = _launch(netns, ["--workers=2", "--max_restarts=2",
                         "--backoff_seconds=0.2"],
@@ -98,6 +106,7 @@ def test_multi_worker_job_survives_a_killed_actor(netns, tmp_path, data_dir):
   assert "worker:0 | " in output and "Finished at step 1000/1000" in output
   assert artifacts.checkpoint_step(model_dir) == 1000
   _assert_nothing_left(output, daemons)
+  assert _ray_task_dirs() <= scratch_before  # The killed actor's too.
 
 
 def test_parameter_server_job_ends_at_the_exact_step(netns, tmp_path,
@@ -178,6 +187,7 @@ def test_elastic_job_follows_nodes_joining_and_leaving(netns, tmp_path,
   Every membership trains the weights one device would."""
   control = tmp_path / "nodes"
   control.mkdir()
+  scratch_before = _ray_task_dirs()
   nodes = subprocess.Popen([*netns, sys.executable, "tests/ray_nodes.py",
                             str(control), "2"], cwd=ROOT,
                            stdout=subprocess.DEVNULL,
@@ -223,6 +233,9 @@ def test_elastic_job_follows_nodes_joining_and_leaving(netns, tmp_path,
     test_elastic.assert_one_device_weights(model_dir, tmp_path, data_dir,
                                            steps)
     _assert_no_task_left(output)
+    # The tasks of the node that left never cleaned up: their scratch was
+    # under the launcher's, which it removed.
+    assert _ray_task_dirs() <= scratch_before
   finally:
     (control / "stop").touch()
     try:

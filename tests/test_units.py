@@ -459,6 +459,8 @@ def test_stall_watch_lets_calls_of_usual_length_and_first_calls_run(
     time.sleep(2.4)  # Past usual + timeout (1.8 s), within twice usual.
   with watch.watching("train"):  # Another key has its own first call.
     time.sleep(0.4)
+  with watch.watching("eval"):  # As long again: said once per key.
+    time.sleep(2.4)
   time.sleep(1.0)  # Any timer left armed would have fired by now.
   assert exits == []
   # Calls longer than the timeout, where TF's own may act first: said

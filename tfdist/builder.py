@@ -313,8 +313,9 @@ def _run_parts(config, info, task, *, write_dir, callbacks):
           summaries=summaries,
           eval_weights=functools.partial(ema.averaged_weights,
                                          parts.optimizer)),
-      keeper=(evaluation.BestKeeper(tracker=tracker, checkpoints=store,
-                                    export_fn=export_fn)
+      keeper=(evaluation.BestKeeper(
+          tracker=tracker, checkpoints=store,
+          export_fn=export_fn if config.export else None)
               if tracker else None),
       callbacks=keras_callbacks, export_fn=export_fn, survivor=survivor)
 

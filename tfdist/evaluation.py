@@ -55,14 +55,21 @@ class BestKeeper:
   def load(self):
     self.tracker.load(self._checkpoints.read_best_state(mend=True))
 
+  @property
+  def exports(self):
+    """Whether the best is exported (--export)."""
+    return self._export_fn is not None
+
   def update(self, step, metrics, checkpoint_fn, *, export=True):
     """`checkpoint_fn()` gives this step's checkpoint, called only when
     the eval is the best (a training run saves it then). The best's
     export is marked pending in best.json, with the best, before it is
-    written: a kill during it leaves the mark, and the resume writes it
-    (finish_export). `export=False` leaves it pending (a preemption was
-    agreed in this eval: the export would outlast its grace). Returns
-    whether to stop early."""
+    written: a kill during it leaves the mark, which a training run's
+    resume acts on (a sidecar's says so; the next best is exported).
+    `export=False`: the caller writes it later with finish_export (the
+    trainer, after the callbacks, unless a preemption was agreed in the
+    eval: the export could outlast its grace). Returns whether to stop
+    early."""
     best = self.tracker
     decision = best.update(step, metrics)
     if decision.improved:
@@ -91,6 +98,9 @@ class BestKeeper:
       return
     if self._export_fn:
       self._export_fn(best=True)
+    self.drop_pending_export()
+
+  def drop_pending_export(self):
     self.tracker.export_pending_step.assign(-1)
     self._checkpoints.update_best_state(self.tracker.state())
 
@@ -131,6 +141,7 @@ class SidecarEvaluator:
     metrics = None
     if self._keeper:
       self._keeper.load()
+      self._drop_pending_export()
     for path in self._checkpoints.new_checkpoints(timeout_seconds):
       metrics, _ = self._eval_pass.run(self.step)
       if self._keeper and self._keeper.update(
@@ -142,3 +153,15 @@ class SidecarEvaluator:
         break
     self._summaries.close()
     return metrics
+
+  def _drop_pending_export(self):
+    """A sidecar killed during a best's export: that export is not
+    written again (its weights would have to be restored first); the
+    next best's is. Said in one line."""
+    pending = self._keeper.tracker.export_pending_at
+    if pending is not None:
+      logging.warning("The export of the best eval (step %d) was cut short "
+                      "in an earlier run: best_checkpoint/ holds that best, "
+                      "best_export/ is written again at the next best.",
+                      pending)
+      self._keeper.drop_pending_export()

@@ -101,13 +101,13 @@ class StallWatch:
     if usual <= self._timeout or key in self._warned:
       return
     self._warned.add(key)
+    kind = key[0] if isinstance(key, tuple) else key  # train or eval.
     logging.warning(
         "%s calls take %.1fs, longer than --collective_timeout=%g: a peer "
         "that stalls in one may be caught first by TF's own collective "
         "timeout (%gs), whose abort can end this task by a signal instead "
-        "of naming the peer. Set --collective_timeout above %.0fs, or "
-        "lower --steps_per_loop.", key, usual, self._timeout,
-        tf_backstop_seconds(self._timeout), usual)
+        "of naming the peer. Set --collective_timeout above %.0fs.", kind,
+        usual, self._timeout, tf_backstop_seconds(self._timeout), usual)
 
   def _fire(self, call):
     # No unwinding: the main thread is blocked inside TF, and a clean exit

@@ -4,6 +4,7 @@ import dataclasses
 from typing import Callable, Tuple
 
 from tfdist import devices
+from tfdist import errors
 from tfdist import stall_watch
 from tfdist.errors import ConfigError
 
@@ -91,8 +92,8 @@ def _tpu_strategy(address):
     tf.config.experimental_connect_to_cluster(resolver)
     tf.tpu.experimental.initialize_tpu_system(resolver)
   except (ValueError, OSError, tf.errors.OpError) as e:
-    detail = (str(e).splitlines() or [type(e).__name__])[0].split(". ")[0]
-    raise ConfigError(f"no TPU found at {address!r}: {detail[:200]}") from None
+    detail = errors.first_line(e, 200).split(". ")[0]
+    raise ConfigError(f"no TPU found at {address!r}: {detail}") from None
   return tf.distribute.TPUStrategy(resolver)
 
 

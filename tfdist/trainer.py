@@ -127,6 +127,8 @@ class Trainer:
     callbacks = self._callbacks
     try:
       with watched as watch, self._survivor_kept():
+        if self._best:  # Watched: a SIGTERM during it ends the task well.
+          self._finish_pending_export()
         if callbacks:
           callbacks.train_begin(self.step)
         stopped = self._stopped_before()
@@ -205,8 +207,6 @@ class Trainer:
             ", ".join(changed[:3]), self.step)
     if (restored or self.step != own_step) and self._after_restore:
       self._after_restore()
-    if self._best:
-      self._finish_pending_export()
     self._last_checkpoint = restored
     self._saved_step = self.step if restored else None
     if self._checkpoints.is_survivor_state(restored):
@@ -223,13 +223,16 @@ class Trainer:
     pending = self._best.tracker.export_pending_at
     if pending is None:
       return
+    if not self._best.exports:  # --noexport now: nothing to write.
+      self._best.drop_pending_export()
+      return
     if pending != self.step:
       logging.warning(
           "The export of the best eval (step %d) was never finished, and "
           "this run resumed at step %d: best_checkpoint/ holds that best; "
           "best_export/ is an older best's until the next best.",
           pending, self.step)
-      self._best.tracker.export_pending_step.assign(-1)
+      self._best.drop_pending_export()
       return
     logging.info("Writing the export of the best eval (step %d), which "
                  "the previous run left unfinished.", pending)

@@ -4,6 +4,7 @@ split streamed from its files, on several hosts, is read by file: each
 host reads only its own files (about 1/N of the bytes), padded to as many
 batches as the host with the most records needs."""
 
+import heapq
 import math
 
 import tensorflow as tf
@@ -26,7 +27,9 @@ def _unit_mask(features, labels, *sample_weight):
 
 def eval_steps(dataset: sources.Dataset, *, global_batch_size, requested=0,
                num_hosts=1, cache="auto"):
-  """Number of eval batches: one full pass unless `requested` caps it."""
+  """Number of eval batches: one full pass unless `requested` caps it.
+  `num_hosts` and `cache` must be eval_input_fn's (inputs_from_dataset
+  gives both the same)."""
   if dataset.num_test_examples is None:
     return requested or SYNTHETIC_EVAL_STEPS
   full = by_file_steps(dataset, global_batch_size, num_hosts, cache) or (
@@ -37,11 +40,11 @@ def eval_steps(dataset: sources.Dataset, *, global_batch_size, requested=0,
 def eval_files_of_hosts(counts, hosts):
   """[[file index, ...] of each host]: each file, the largest first, to
   the host with the fewest records so far (the same on every host)."""
-  owned, sizes = [[] for _ in range(hosts)], [0] * hosts
+  owned, fewest = [[] for _ in range(hosts)], [(0, h) for h in range(hosts)]
   for index in sorted(range(len(counts)), key=lambda i: (-counts[i], i)):
-    host = min(range(hosts), key=lambda h: (sizes[h], h))
+    size, host = heapq.heappop(fewest)
     owned[host].append(index)
-    sizes[host] += counts[index]
+    heapq.heappush(fewest, (size + counts[index], host))
   return [sorted(files) for files in owned]
 
 
@@ -71,9 +74,10 @@ def eval_input_fn(dataset: sources.Dataset, *, global_batch_size,
                   cache="auto", num_hosts=1):
   """Pads the test split with masked (mask 0) examples to whole global
   batches. A split read from files is streamed unless --cache says
-  otherwise: on the `num_hosts` hosts eval_steps was counted for, each
-  reads its own files where it can (_by_file_steps), else every host
-  reads it whole, in file order, and parses its batches only."""
+  otherwise: on the `num_hosts` hosts eval_steps was counted for (give
+  both the same `num_hosts` and `cache`), each reads its own files where
+  it can (by_file_steps), else every host reads it whole, in file order,
+  and parses its batches only."""
   num_real = dataset.num_test_examples
   policy = _policy(dataset, cache)
 

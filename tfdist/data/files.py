@@ -192,10 +192,9 @@ def _check_parse(files, split, name):
   except ConfigError:
     raise
   except Exception as e:  # The user's parse may raise anything.
-    message = getattr(e, "message", str(e)).strip().splitlines()
     raise ConfigError(f"{name}: parse failed on a {split} record: "
                       f"{type(e).__name__}: "
-                      f"{(message or [''])[0][:200]}") from None
+                      f"{errors.first_line(e, 200, empty='')}") from None
 
 
 def _host_files(split, hosts, host):

@@ -64,6 +64,20 @@ def _unplanned_on_workers(dataset, sharding, policy, cache):
       f"Received: input_sharding=file, cache={cache}")
 
 
+def _eval_hosts(dataset, global_batch_size, cache, hosts, requested):
+  """The hosts eval is read by file on (eval_input.by_file_steps), or 1
+  (every host reads it all). Parameter servers evaluate on the
+  coordinator alone. A capped eval (--eval_steps below the batches by
+  file) reads by batch: the same examples on any number of hosts."""
+  by_file = eval_input.by_file_steps(dataset, global_batch_size, hosts, cache)
+  if not by_file or (requested and requested < by_file):
+    return 1
+  logging.info("Eval input: each of the %d hosts reads only its own eval "
+               "files, padded to the batches of the host with the most "
+               "records.", hosts)
+  return hosts
+
+
 def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
                         seed, eval_steps_requested=0, sharding="batch",
                         num_hosts=1, cache="auto",
@@ -89,12 +103,9 @@ def inputs_from_dataset(dataset: sources.Dataset, *, global_batch_size,
             dataset, mode, sharding, num_hosts, policy.planned, seed)))
   # File sharding on asynchronous workers keeps the run's plan (its seed).
   workers = num_hosts if asynchronous and mode == "file" else None
-  # Parameter servers evaluate on the coordinator alone.
-  eval_hosts = 1 if asynchronous else num_hosts
-  if eval_input.by_file_steps(dataset, global_batch_size, eval_hosts, cache):
-    logging.info("Eval input: each of the %d hosts reads only its own eval "
-                 "files, padded to the batches of the host with the most "
-                 "records.", eval_hosts)
+  eval_hosts = _eval_hosts(dataset, global_batch_size, cache,
+                           1 if asynchronous else num_hosts,
+                           eval_steps_requested)
   return Inputs(
       plan={**plan_lib.input_plan(dataset, global_batch_size, seed,
                                   shuffle_buffer),

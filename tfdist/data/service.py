@@ -32,6 +32,7 @@ import secrets
 
 from absl import logging
 
+from tfdist import errors
 from tfdist.errors import ConfigError
 from tfdist.service_address import MODES
 from tfdist.service_address import parse_address
@@ -179,8 +180,7 @@ def _registered(batches, service, reader, identity):
           service.target, batches,
           dataset_id=job_name(identity[0], token, *identity[1:]))
     except (tf.errors.OpError, ValueError, TypeError) as e:
-      lines = str(getattr(e, "message", e)).splitlines()
-      failure = (lines or [type(e).__name__])[0][:200]
+      failure = errors.first_line(e, 200)
       token = -1
   token = reader.share(token)
   if failure or token < 0:
