@@ -82,9 +82,12 @@ def parse_args(argv):
   arguments.add_restart_arguments(parser)
   args = parser.parse_args(argv)
   args.data_hosts = [h for h in args.data_hosts.split(",") if h]
-  # The dispatcher's work_dir on its host: one per launcher.
+  # The dispatcher's work_dir on its host, and the tasks' TMPDIR on
+  # theirs: one per launcher, removed at its end.
   args.dispatcher_journal = (f"/tmp/tfdist-dispatcher-{os.getpid()}-"
                              f"{int(time.time())}")
+  args.remote_scratch = f"/tmp/tfdist-ssh-{os.getpid()}-{int(time.time())}"
+  args.scratch_hosts = set()  # Hosts a task or spare ran on.
   if bool(args.data_workers) != bool(args.data_hosts):
     parser.error("--data_workers and --data_hosts go together. Received: "
                  f"--data_workers={args.data_workers}, "
@@ -160,13 +163,16 @@ def spare_command(args, host):
   the order); unbuffered, as its output is a pipe."""
   return [*ssh_remote.ssh_prefix(args, "-T"), *_SPARE_KEEPALIVE, host,
           ssh_remote.remote_line(args, {"PYTHONUNBUFFERED": "1"},
-                                 spare.REMOTE_MODULE)]
+                                 spare.REMOTE_MODULE,
+                                 scratch=args.remote_scratch)]
 
 
 def host_spares(args, *, per_task, log):
   """launch.spare.Spares on every host the tasks run on (HostPools),
   each over ssh."""
   def make_pool(host):
+    args.scratch_hosts.add(host)
+
     def start_process(command, env):
       return ssh_remote.RemoteProcess(processes.start_spare(command, env),
                                       ssh_remote.ssh_prefix(args), host)
@@ -181,6 +187,7 @@ def spawn(args, spares=None):
   variables there (`env`)."""
   def start(spec, env):
     host = spec.address.rpartition(":")[0]
+    args.scratch_hosts.add(host)
     process = spares.pool(host).hand(
         module=args.module, args=args.train_args, env=env) if spares else None
     if process is not None:
@@ -286,7 +293,15 @@ def main(argv=None):
 
 
 def _run(args, log):
-  """The job itself, restarted by launch.core's policy."""
+  """The job itself, restarted by launch.core's policy; then the tasks'
+  TMPDIR on every host they ran on is removed."""
+  try:
+    return _run_job(args, log)
+  finally:
+    ssh_remote.remove_scratch(args, args.scratch_hosts, log)
+
+
+def _run_job(args, log):
   hosts = ssh_hosts.WorkerHosts(
       args.worker_hosts, command=args.host_discovery,
       min_workers=args.cluster.min_workers or 1, log=log)

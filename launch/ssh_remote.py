@@ -12,18 +12,41 @@ import subprocess
 _PID_LINE = "tfdist-remote-pid "
 
 
-def remote_line(args, env, module, module_args=()):
+def remote_line(args, env, module, module_args=(), scratch=None):
   """The shell line that runs `python -m module` on a remote host: in
-  --workdir, after the pid line (exec: the shell's pid is the task's)."""
+  --workdir, after the pid line (exec: the shell's pid is the task's).
+  `scratch`: its TMPDIR there, made first, which the launcher removes
+  at its end (remove_scratch), also after a task was killed."""
+  if scratch:
+    env = {**env, "TMPDIR": scratch}
   variables = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
   rest = " ".join(shlex.quote(a) for a in module_args)
-  return (f"cd {shlex.quote(args.workdir)} && echo {_PID_LINE}$$ && "
+  made = f"mkdir -p {shlex.quote(scratch)} && " if scratch else ""
+  return (f"cd {shlex.quote(args.workdir)} && {made}echo {_PID_LINE}$$ && "
           f"{variables} exec {shlex.quote(args.python)} -m {module} {rest}")
 
 
 def remote_command(args, spec):
   """The shell line run on the remote host for one task."""
-  return remote_line(args, spec.env, args.module, args.train_args)
+  return remote_line(args, spec.env, args.module, args.train_args,
+                     scratch=args.remote_scratch)
+
+
+def remove_scratch(args, hosts, log, timeout=60):
+  """Removes the tasks' TMPDIR on each of `hosts`, all at once; a host
+  that does not answer within `timeout` seconds is named."""
+  removing = {host: subprocess.Popen(
+      [*ssh_prefix(args), host, f"rm -rf {shlex.quote(args.remote_scratch)}"],
+      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL) for host in sorted(hosts)}
+  for host, process in removing.items():
+    try:
+      process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      process.wait()
+      log(f"could not remove {host}:{args.remote_scratch} (no answer within "
+          f"{timeout} s).")
 
 
 class RemoteProcess:

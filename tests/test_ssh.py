@@ -1,5 +1,6 @@
 """launch.ssh against a real sshd on 127.0.0.1 with key auth made here."""
 
+import glob
 import os
 import re
 import shutil
@@ -157,6 +158,13 @@ def _spare_pids():
   return [int(p) for p in out.split()]
 
 
+def _scratch_dirs():
+  """The tasks' TMPDIRs and non-chief scratch model_dirs in /tmp (the
+  host's over ssh is this machine's)."""
+  return set(glob.glob("/tmp/tfdist-ssh-*") +
+             glob.glob("/tmp/tfdist-worker*"))
+
+
 def test_elastic_job_grows_and_shrinks_with_discovery(sshd, tmp_path,
                                                       data_dir):
   """Discovery offers 2 slots, then 3: the job grows at a checkpoint.
@@ -168,6 +176,7 @@ def test_elastic_job_grows_and_shrinks_with_discovery(sshd, tmp_path,
   slots.write_text("127.0.0.1:2\n")
   model_dir = tmp_path / "run"
   steps = 600  # Room for two changes before the last step.
+  scratch_before = _scratch_dirs()
   run = LauncherProcess(
       ["--workers=2:3", f"--host_discovery=cat {slots}",
        "--discovery_seconds=0.5", f"--port={portpicker.pick_unused_port()}",
@@ -211,3 +220,6 @@ def test_elastic_job_grows_and_shrinks_with_discovery(sshd, tmp_path,
   assert sizes == [2, 3, 2]
   test_elastic.assert_one_device_weights(model_dir, tmp_path, data_dir,
                                          steps)
+  # The killed worker's scratch model_dir was in the tasks' TMPDIR on its
+  # host, which the launcher removed at its end.
+  assert _scratch_dirs() <= scratch_before

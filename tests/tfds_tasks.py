@@ -7,13 +7,17 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 import tfdist
+from tfdist import digits
 
 MOCK_EXAMPLES = 96
 TOKENS, BUCKETS = 16, 1000
 
 
 def _load(name):
-  with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES):
+  # tfds leaves an empty temporary directory per load of a dataset that
+  # is not prepared: this module's are removed (tools.leftovers).
+  with digits.tfds_temp_dirs_removed(), tfds.testing.mock_data(
+      num_examples=MOCK_EXAMPLES):
     return tfds.load(name, split=["train", "test"], as_supervised=True)
 
 
