@@ -155,9 +155,7 @@ class TaskActor:
     `scratch_root`: the launcher's directory for the tasks' scratch
     directories, used where it exists (the launcher's machine): the
     launcher removes it, also after an actor killed with its node."""
-    scratch = tempfile.mkdtemp(
-        prefix="tfdist-ray-task-", dir=scratch_root if scratch_root and (
-            os.path.isdir(scratch_root)) else None)
+    scratch = _scratch_dir(scratch_root)
     env = {**os.environ, **env, "TMPDIR": scratch}
     argv = [sys.executable, *argv[1:]]
     process = self._hand_to_spare(argv, env)
@@ -199,6 +197,17 @@ class TaskActor:
         process.wait()
     if self._scratch:
       shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def _scratch_dir(root):
+  """A task's scratch directory: in `root` where this node can make one
+  there (the launcher's machine, as its user), else in its temp dir."""
+  if root and os.path.isdir(root):
+    try:
+      return tempfile.mkdtemp(prefix="tfdist-ray-task-", dir=root)
+    except OSError:  # Another user's node on the launcher's machine.
+      pass
+  return tempfile.mkdtemp(prefix="tfdist-ray-task-")
 
 
 def alive(ray_module, actor):

@@ -110,7 +110,7 @@ class NodeSpares:
     return [pid for _, pid in self._pool]
 
   @property
-  def pids(self):
+  def pids(self):  # One node's (HostPools waits on all at once).
     return ready_pids(self._ray, self.pid_refs)
 
   def close(self):

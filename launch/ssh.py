@@ -41,10 +41,9 @@ worker dropped for good gives up its slot until discovery offers it again.
 import argparse
 import dataclasses
 import os
+import secrets
 import shlex
-import subprocess
 import sys
-import time
 
 from . import arguments
 from . import core
@@ -84,9 +83,10 @@ def parse_args(argv):
   args.data_hosts = [h for h in args.data_hosts.split(",") if h]
   # The dispatcher's work_dir on its host, and the tasks' TMPDIR on
   # theirs: one per launcher, removed at its end.
+  # (A random part: another launcher's pid may be the same.)
   args.dispatcher_journal = (f"/tmp/tfdist-dispatcher-{os.getpid()}-"
-                             f"{int(time.time())}")
-  args.remote_scratch = f"/tmp/tfdist-ssh-{os.getpid()}-{int(time.time())}"
+                             f"{secrets.token_hex(4)}")
+  args.remote_scratch = f"tfdist-ssh-{os.getpid()}-{secrets.token_hex(4)}"
   args.scratch_hosts = set()  # Hosts a task or spare ran on.
   if bool(args.data_workers) != bool(args.data_hosts):
     parser.error("--data_workers and --data_hosts go together. Received: "
@@ -280,15 +280,10 @@ def main(argv=None):
     code = _run(args, log)
   finally:
     service.close()
-    try:  # The journal; its host may be the one that stopped answering.
-      subprocess.run([*ssh_remote.ssh_prefix(args), args.data_hosts[0],
-                      f"rm -rf {shlex.quote(args.dispatcher_journal)}"],
-                     stdin=subprocess.DEVNULL, capture_output=True,
-                     timeout=60, check=False)
-    except subprocess.TimeoutExpired:
-      log(f"could not remove the dispatcher's journal "
-          f"{args.data_hosts[0]}:{args.dispatcher_journal} (no answer "
-          "within 60 s).")
+    # The journal; its host may be the one that stopped answering.
+    ssh_remote.remove_remote(
+        args, [(args.data_hosts[0], shlex.quote(args.dispatcher_journal))],
+        log)
   sys.exit(code)
 
 
@@ -298,7 +293,9 @@ def _run(args, log):
   try:
     return _run_job(args, log)
   finally:
-    ssh_remote.remove_scratch(args, args.scratch_hosts, log)
+    ssh_remote.remove_remote(
+        args, [(host, ssh_remote.scratch_path(args.remote_scratch))
+               for host in sorted(args.scratch_hosts)], log)
 
 
 def _run_job(args, log):

@@ -5,6 +5,7 @@ the remote task by its pid)."""
 import shlex
 import signal
 import subprocess
+import time
 
 
 # The first line a remote task prints: its pid (the shell's, which
@@ -12,16 +13,22 @@ import subprocess
 _PID_LINE = "tfdist-remote-pid "
 
 
+def scratch_path(name):
+  """The shell words of directory `name` in the host's own TMPDIR."""
+  return '"${TMPDIR:-/tmp}"/' + shlex.quote(name)
+
+
 def remote_line(args, env, module, module_args=(), scratch=None):
   """The shell line that runs `python -m module` on a remote host: in
   --workdir, after the pid line (exec: the shell's pid is the task's).
-  `scratch`: its TMPDIR there, made first, which the launcher removes
-  at its end (remove_scratch), also after a task was killed."""
-  if scratch:
-    env = {**env, "TMPDIR": scratch}
+  `scratch`: the name of its TMPDIR there, a directory in the host's own,
+  made first, which the launcher removes at its end (remove_remote),
+  also after a task was killed."""
   variables = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+  if scratch:
+    variables = f"TMPDIR={scratch_path(scratch)} {variables}"
   rest = " ".join(shlex.quote(a) for a in module_args)
-  made = f"mkdir -p {shlex.quote(scratch)} && " if scratch else ""
+  made = f"mkdir -p {scratch_path(scratch)} && " if scratch else ""
   return (f"cd {shlex.quote(args.workdir)} && {made}echo {_PID_LINE}$$ && "
           f"{variables} exec {shlex.quote(args.python)} -m {module} {rest}")
 
@@ -32,21 +39,22 @@ def remote_command(args, spec):
                      scratch=args.remote_scratch)
 
 
-def remove_scratch(args, hosts, log, timeout=60):
-  """Removes the tasks' TMPDIR on each of `hosts`, all at once; a host
-  that does not answer within `timeout` seconds is named."""
-  removing = {host: subprocess.Popen(
-      [*ssh_prefix(args), host, f"rm -rf {shlex.quote(args.remote_scratch)}"],
+def remove_remote(args, paths, log, timeout=60):
+  """Removes each (host, shell path) of `paths` over ssh, all at once,
+  within `timeout` seconds in all; a host that does not answer (gone,
+  or unreachable) is named."""
+  removing = [(host, path, subprocess.Popen(
+      [*ssh_prefix(args, "-o", "ConnectTimeout=10"), host, f"rm -rf {path}"],
       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-      stderr=subprocess.DEVNULL) for host in sorted(hosts)}
-  for host, process in removing.items():
+      stderr=subprocess.DEVNULL)) for host, path in paths]
+  deadline = time.monotonic() + timeout
+  for host, path, process in removing:
     try:
-      process.wait(timeout=timeout)
+      process.wait(timeout=max(deadline - time.monotonic(), 0.1))
     except subprocess.TimeoutExpired:
       process.kill()
       process.wait()
-      log(f"could not remove {host}:{args.remote_scratch} (no answer within "
-          f"{timeout} s).")
+      log(f"could not remove {host}:{path} (no answer within {timeout} s).")
 
 
 class RemoteProcess:

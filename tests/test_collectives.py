@@ -40,13 +40,20 @@ def _two_workers(argv, timeout=600, grace=10):
   """Runs `argv` as two MultiWorkerMirrored processes (TF_CONFIG on
   127.0.0.1); returns their CompletedProcesses. When one fails, the other
   (left waiting in a collective) is killed `grace` seconds later, and
-  both come back with what they printed."""
+  both come back with what they printed. Their TMPDIR (a non-chief's
+  scratch model_dir, which a killed worker leaves) is removed after, as
+  a launcher's is."""
+  with tempfile.TemporaryDirectory(prefix="tfdist-test-workers-") as scratch:
+    return _two_workers_in(argv, timeout, grace, scratch)
+
+
+def _two_workers_in(argv, timeout, grace, scratch):
   ports = [portpicker.pick_unused_port() for _ in range(2)]
   workers = [f"127.0.0.1:{p}" for p in ports]
   outputs = [tempfile.TemporaryFile(mode="w+") for _ in range(2)]
   procs = [subprocess.Popen(
       argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
-      env={**os.environ, "TF_CONFIG": json.dumps({
+      env={**os.environ, "TMPDIR": scratch, "TF_CONFIG": json.dumps({
           "cluster": {"worker": workers},
           "task": {"type": "worker", "index": i}})})
            for i, out in enumerate(outputs)]

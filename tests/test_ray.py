@@ -73,9 +73,12 @@ def _assert_no_task_left(output):
 
 
 def _ray_task_dirs():
-  """The scratch directories of Ray tasks in this machine's temp dir."""
+  """The scratch directories of Ray tasks in this machine's temp dir, and
+  the launcher's, which holds them."""
   return set(glob.glob(os.path.join(tempfile.gettempdir(),
-                                    "tfdist-ray-task-*")))
+                                    "tfdist-ray-task-*")) +
+             glob.glob(os.path.join(tempfile.gettempdir(),
+                                    "tfdist-ray-scratch-*")))
 
 
 def _assert_nothing_left(output, daemons_before):

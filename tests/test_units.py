@@ -450,21 +450,25 @@ def test_stall_watch_ends_a_call_that_runs_past_its_usual_length():
 def test_stall_watch_lets_calls_of_usual_length_and_first_calls_run(
     caplog):
   import time
+  # The runners' keys: (kind, what makes the traced call differ...).
+  first_eval, other_eval, train = ("eval", 10), ("eval", 12), (
+      "train", False, 10)
   watch, exits, _, _ = _stall_watch(0.3)
-  with watch.watching("eval"):
+  with watch.watching(first_eval):
     time.sleep(1.5)  # A first call, longer than the timeout: no deadline.
   # Usual: 1.5 s; a call may take twice that before it counts as stalled.
-  assert watch.deadline_seconds("eval") == pytest.approx(3.0, abs=0.3)
-  with watch.watching("eval"):
+  assert watch.deadline_seconds(first_eval) == pytest.approx(3.0, abs=0.3)
+  with watch.watching(first_eval):
     time.sleep(2.4)  # Past usual + timeout (1.8 s), within twice usual.
-  with watch.watching("train"):  # Another key has its own first call.
+  with watch.watching(train):  # Another key has its own first call.
     time.sleep(0.4)
-  with watch.watching("eval"):  # As long again: said once per key.
-    time.sleep(2.4)
+  for seconds in (1.5, 2.4):  # Another eval key, as long.
+    with watch.watching(other_eval):
+      time.sleep(seconds)
   time.sleep(1.0)  # Any timer left armed would have fired by now.
   assert exits == []
   # Calls longer than the timeout, where TF's own may act first: said
-  # once, for "eval" only.
+  # once for eval calls, whatever their key, and not for train.
   said = [r.getMessage() for r in caplog.records]
   assert len(said) == 1 and said[0].startswith("eval calls take 2."), said
   assert "longer than --collective_timeout=0.3: " in said[0], said
@@ -789,8 +793,8 @@ def test_preparing_digits_leaves_no_temporary_directory(tmp_path):
 def test_leftovers_names_what_the_tests_left_and_nothing_else():
   """.ci/run's last check: a tfdist namespace, or a process of the run
   (one that inherited the run's mark), that was not there before is an
-  error; one that was, or the check's own, is not; a temporary directory
-  of ours is a warning."""
+  error; one that was, or the check's own, is not; and so is a new
+  temporary directory of ours."""
   from tools import leftovers
   before = {"namespaces": ["tfdist-1", "other"],
             "processes": {"10": "python -m tfdist.train --a"},
@@ -802,12 +806,12 @@ def test_leftovers_names_what_the_tests_left_and_nothing_else():
                        "14": "python tests/ray_nodes.py dir 2"},
          "temp": ["tfdist-worker1-old", "tfdist-ray-task-x", "tmpab12tfds",
                   "unrelated"]}
-  errors, warnings = leftovers.left_behind(before, now, mine={"13"})
+  errors = leftovers.left_behind(before, now, mine={"13"})
   assert errors == ["network namespace tfdist-2",
                     "process 12: python -m launch.local --workers=2",
-                    "process 14: python tests/ray_nodes.py dir 2"]
-  assert warnings == [f"temporary directory {tempfile.gettempdir()}/{name}"
-                      for name in ("tfdist-ray-task-x", "tmpab12tfds")]
+                    "process 14: python tests/ray_nodes.py dir 2"] + [
+                        f"temporary directory {tempfile.gettempdir()}/{name}"
+                        for name in ("tfdist-ray-task-x", "tmpab12tfds")]
   # Only processes that inherited the mark are the run's.
   marked = subprocess.Popen(["sleep", "30"],
                             env={**os.environ, leftovers.MARK: "probe-1"})

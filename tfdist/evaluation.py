@@ -159,9 +159,10 @@ class SidecarEvaluator:
     written again (its weights would have to be restored first); the
     next best's is. Said in one line."""
     pending = self._keeper.tracker.export_pending_at
-    if pending is not None:
+    if pending is not None and self._keeper.exports:
       logging.warning("The export of the best eval (step %d) was cut short "
                       "in an earlier run: best_checkpoint/ holds that best, "
                       "best_export/ is written again at the next best.",
                       pending)
+    if pending is not None:
       self._keeper.drop_pending_export()

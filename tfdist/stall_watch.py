@@ -51,7 +51,7 @@ class StallWatch:
     self._clock = clock
     # key -> [first call's length, longest later call's length or None].
     self._lengths = {}
-    self._warned = set()  # Keys whose calls outlast the timeout.
+    self._warned = set()  # Kinds (train, eval) whose calls outlast it.
 
   def usual_seconds(self, key):
     """The longest call of `key` after its first (which traces), or the
@@ -98,16 +98,17 @@ class StallWatch:
     may end a stall in one first, with the abort that can crash the task
     instead of naming the peer."""
     usual = self.usual_seconds(key)
-    if usual <= self._timeout or key in self._warned:
-      return
-    self._warned.add(key)
     kind = key[0] if isinstance(key, tuple) else key  # train or eval.
+    if usual <= self._timeout or kind in self._warned:
+      return
+    self._warned.add(kind)
     logging.warning(
         "%s calls take %.1fs, longer than --collective_timeout=%g: a peer "
         "that stalls in one may be caught first by TF's own collective "
         "timeout (%gs), whose abort can end this task by a signal instead "
-        "of naming the peer. Set --collective_timeout above %.0fs.", kind,
-        usual, self._timeout, tf_backstop_seconds(self._timeout), usual)
+        "of naming the peer. Set --collective_timeout above %.0fs%s.",
+        kind, usual, self._timeout, tf_backstop_seconds(self._timeout),
+        usual, " (or lower --steps_per_loop)" if kind == "train" else "")
 
   def _fire(self, call):
     # No unwinding: the main thread is blocked inside TF, and a clean exit

@@ -5,13 +5,12 @@ TFDIST_RUN_MARK=TOKEN python -m tools.leftovers snapshot FILE  # before
 TFDIST_RUN_MARK=TOKEN python -m tools.leftovers check FILE     # after
 
 `check` prints one line for each thing left and exits 1 when a network
-namespace named tfdist* or a process of the run is left. A process of
-the run is one that inherited TFDIST_RUN_MARK=TOKEN from the tests (a
-launcher, a task, a Ray or Slurm daemon, an sshd a test started): other
-users' and other sessions' processes are not counted, whatever their
-names. Temporary directories of ours are listed as warnings
-(docs/testing.md says which are known). What the snapshot saw is left
-out.
+namespace named tfdist*, a process of the run or a temporary directory
+of ours (tfdist-*, tfds's tmp*tfds) is left. A process of the run is
+one that inherited TFDIST_RUN_MARK=TOKEN from the tests (a launcher, a
+task, a Ray or Slurm daemon, an sshd a test started): other users' and
+other sessions' processes are not counted, whatever their names. What
+the snapshot saw is left out.
 """
 
 import json
@@ -77,17 +76,17 @@ def snapshot(mark):
 
 
 def left_behind(before, now, mine=frozenset()):
-  """(errors, warnings): lines naming what is new since `before`; `mine`:
-  the pids of this check and its callers."""
+  """Lines naming what is new since `before`; `mine`: the pids of this
+  check and its callers."""
   errors = [f"network namespace {name}" for name in now["namespaces"]
             if name.startswith("tfdist") and name not in before["namespaces"]]
   errors += [f"process {pid}: {command[:160]}"
              for pid, command in sorted(now["processes"].items())
              if pid not in before["processes"] and pid not in mine]
   temp = tempfile.gettempdir()
-  warnings = [f"temporary directory {temp}/{name}" for name in now["temp"]
-              if _OUR_TEMP.search(name) and name not in before["temp"]]
-  return errors, warnings
+  errors += [f"temporary directory {temp}/{name}" for name in now["temp"]
+             if _OUR_TEMP.search(name) and name not in before["temp"]]
+  return errors
 
 
 def main(argv):
@@ -109,17 +108,14 @@ def main(argv):
   # A daemon a test stopped may take a few seconds to be gone.
   deadline = time.monotonic() + SETTLE_SECONDS
   while True:
-    errors, warnings = left_behind(before, snapshot(mark), _ancestors())
+    errors = left_behind(before, snapshot(mark), _ancestors())
     if not errors or time.monotonic() > deadline:
       break
     time.sleep(1)
-  for line in warnings:
-    print(f"leftovers: warning: {line}")
   for line in errors:
     print(f"leftovers: error: the tests left {line}")
   if not errors:
-    print(f"leftovers: no namespace or process left "
-          f"({len(warnings)} temporary director(ies) listed)")
+    print("leftovers: no namespace, process or temporary directory left")
   return 1 if errors else 0
 
 
