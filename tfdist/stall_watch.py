@@ -94,9 +94,9 @@ class StallWatch:
       self._warn_if_longer(key)
 
   def _warn_if_longer(self, key):
-    """Once per key: its calls outlast the timeout, so TF's own timeout
-    may end a stall in one first, with the abort that can crash the task
-    instead of naming the peer."""
+    """Once per kind of call (train, eval): its calls outlast the
+    timeout, so TF's own timeout may end a stall in one first, with the
+    abort that can crash the task instead of naming the peer."""
     usual = self.usual_seconds(key)
     kind = key[0] if isinstance(key, tuple) else key  # train or eval.
     if usual <= self._timeout or kind in self._warned:

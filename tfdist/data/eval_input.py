@@ -118,11 +118,11 @@ def _own_files_eval(split, steps, per_host, context):
   mine = eval_files_of_hosts(split.counts, context.num_input_pipelines)[
       context.input_pipeline_id]
   own = sum(split.counts[i] for i in mine)
+  # Every host owns a file (by_file_steps needs as many files as hosts).
   records = order.interleave(
       tf.constant([split.paths[i] for i in mine]),
-      tf.zeros([len(mine)], tf.int64), split) if mine else (
-          split.records().take(0))
-  # Padding repeats the split's first records, masked: a host may own none.
+      tf.zeros([len(mine)], tf.int64), split)
+  # Padding repeats the split's first records, masked.
   padded = records.concatenate(split.records().repeat().take(
       steps * per_host - own))
 
