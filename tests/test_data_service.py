@@ -349,14 +349,15 @@ def test_a_pipeline_of_your_own_is_split_at_its_source():
   data worker serves each example once per epoch; two run apart by up to
   what each holds, never more than an epoch. A zip of two sources cannot
   be split apart (its sides would pair other workers' splits): it is cut
-  in units, its pairs intact."""
+  in units, its pairs intact. A range of 300 is served in chunks of 4
+  (tfdist.data.chunked_range)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist import data  # pylint: disable=g-import-not-at-top
   from tfdist.data import service_units  # pylint: disable=g-import-not-at-top
 
   def example(i):
     return tf.cast(i, tf.float32)[None] * 10, i
-  numbers = tf.data.Dataset.range(60)
+  numbers = tf.data.Dataset.range(300)
   own = data.from_user("own", numbers.map(example), numbers.map(example))
   zipped_source = tf.data.Dataset.zip(numbers.map(lambda i: example(i)[0]),
                                       numbers)
@@ -369,10 +370,11 @@ def test_a_pipeline_of_your_own_is_split_at_its_source():
                                         first_unit=0, batch_size=10,
                                         buffer=16)
   assert "CacheDatasetV2" not in sources._graph_ops(served)  # pylint: disable=protected-access
-  ids, matched = _served_ids(own, 120, data_workers=1)
-  assert matched and collections.Counter(ids) == {i: 2 for i in range(60)}
+  assert "FlatMapDataset" in sources._graph_ops(served)  # pylint: disable=protected-access
+  ids, matched = _served_ids(own, 600, data_workers=1)
+  assert matched and collections.Counter(ids) == {i: 2 for i in range(300)}
   for dataset in (own, zipped):
-    ids, matched = _served_ids(dataset, 180, data_workers=2)
+    ids, matched = _served_ids(dataset, 900, data_workers=2)
     counts = collections.Counter(ids)
-    assert matched and set(counts) == set(range(60)), counts
+    assert matched and set(counts) == set(range(300)), counts
     assert set(counts.values()) <= {2, 3, 4}, counts

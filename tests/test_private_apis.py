@@ -296,6 +296,27 @@ def test_the_service_splits_the_sources_tfdist_names():
   assert not any(sources.splits_by_source(d) for d in kept_whole), VERSIONS
 
 
+def test_a_range_source_is_rebuilt_in_chunks():
+  """tfdist.data.chunked_range edits DatasetToGraphV2's GraphDef: a
+  RangeDataset node whose three inputs are Const nodes, a _Retval node
+  naming the output. A release that serializes otherwise would send a
+  range's splits back to one element each (an RPC per example on the
+  tf.data service): chunked() would return the pipeline unchanged."""
+  from tfdist.data import chunked_range  # pylint: disable=g-import-not-at-top
+  from tfdist.data import sources  # pylint: disable=g-import-not-at-top
+  pipeline = tf.data.Dataset.range(3, 10_000, 2).map(lambda x: x * 2)
+  rebuilt = chunked_range.chunked(pipeline)
+  assert rebuilt is not pipeline, VERSIONS
+  graph = sources.pipeline_graph(rebuilt)
+  nodes = {node.name: node for node in graph.node}
+  (source,) = [node for node in graph.node if node.op == "RangeDataset"]
+  bounds = [int(tf.make_ndarray(nodes[name].attr["value"].tensor))
+            for name in source.input]
+  assert bounds == [3, 10_000, 2 * chunked_range.CHUNK], VERSIONS
+  assert (list(rebuilt.as_numpy_iterator())
+          == list(pipeline.as_numpy_iterator())), VERSIONS
+
+
 def test_the_auto_shard_rewrite_deals_out_a_pipelines_files(tmp_path):
   """tfdist.data.sharding.files_of_host: TF's _AutoShardDataset with the
   FILE policy gives host h of 2 files h, h + 2 of a TFRecordDataset's

@@ -20,6 +20,7 @@ stream's own epoch).
 from absl import logging
 import tensorflow as tf
 
+from tfdist.data import chunked_range
 from tfdist.data import order
 from tfdist.data import randomness
 from tfdist.data import sources
@@ -67,8 +68,12 @@ def _by_source_stream(dataset, *, mode, seed, first_epoch, buffer):
   shuffled = _shuffled(dataset, buffer)
 
   def epochs(run_seed):
+    # Only `dynamic` splits the source: a range's splits in chunks.
+    pipeline = dataset.train_pipeline()
+    if mode == "dynamic":
+      pipeline = chunked_range.chunked(pipeline)
     return randomness.shuffle(
-        dataset.train_pipeline(), shuffled,
+        pipeline, shuffled,
         randomness.seed_of(run_seed, first_epoch), reshuffle=True).repeat()
   if mode == "parallel_epochs":
     examples = tf.data.Dataset.range(1).map(

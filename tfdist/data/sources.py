@@ -80,7 +80,7 @@ def _graph_def(dataset, policy):
 _PYTHON_OPS = frozenset(("EagerPyFunc", "PyFunc", "PyFuncStateless"))
 
 
-def _graph(dataset):
+def pipeline_graph(dataset):
   """A pipeline's GraphDef; None when it cannot be serialized (a
   generator, say)."""
   try:
@@ -93,7 +93,7 @@ def _graph(dataset):
 def _graph_ops(dataset):
   """The op types of a pipeline's graph, its functions' included; None
   when it cannot be serialized."""
-  graph = _graph(dataset)
+  graph = pipeline_graph(dataset)
   if graph is None:
     return None
   ops = {node.op for node in graph.node}
@@ -298,7 +298,7 @@ def splits_by_source(dataset):
   skip, zip, enumerate, batch), which would act on each worker's splits
   apart. Transformations inside functions (an interleave's files) are
   not split."""
-  graph = _graph(dataset)
+  graph = pipeline_graph(dataset)
   if graph is None:
     return False
   kinds = [node.op for node in graph.node
