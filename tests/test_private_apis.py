@@ -313,8 +313,19 @@ def test_a_range_source_is_rebuilt_in_chunks():
   bounds = [int(tf.make_ndarray(nodes[name].attr["value"].tensor))
             for name in source.input]
   assert bounds == [3, 10_000, 2 * chunked_range.CHUNK], VERSIONS
-  assert (list(rebuilt.as_numpy_iterator())
-          == list(pipeline.as_numpy_iterator())), VERSIONS
+  # The same examples in the same order and of the same dtype, for a
+  # step down and an int32 range too; a range near int64's end, whose
+  # chunks would overflow, is left as it is.
+  for original in (pipeline,
+                   tf.data.Dataset.range(5_000, -3, -7).map(lambda x: x + 1),
+                   tf.data.Dataset.range(0, 5_000, output_type=tf.int32)):
+    again = chunked_range.chunked(original)
+    assert again is not original, VERSIONS
+    assert again.element_spec == original.element_spec, VERSIONS
+    assert (list(again.as_numpy_iterator())
+            == list(original.as_numpy_iterator())), VERSIONS
+  edge = tf.data.Dataset.range(2**63 - 5_000, 2**63 - 1)
+  assert chunked_range.chunked(edge) is edge, VERSIONS
 
 
 def test_the_auto_shard_rewrite_deals_out_a_pipelines_files(tmp_path):
