@@ -1,0 +1,147 @@
+"""What TF keeps for each collective: RSS of a MultiWorkerMirrored worker
+after steps of all-reduces, for issue 46's "where does a replica's memory
+go".
+
+python -m tools.lab_collective_memory [--packs=12] [--mib=32] [--calls=4]
+
+Two worker processes on loopback (ports from portpicker) each run a
+traced step of --packs all-reduces of --mib MiB, one after another
+(each waits for the one before), --calls times, in two ways:
+- `unrolled`: one all-reduce op per pack, as a training step sends its
+  gradient packs (tfdist.compression.PlainReducer): one collective
+  instance per pack;
+- `one_key`: one all-reduce op per pack as `unrolled`, all with the same
+  instance key (each waits for the one before, so none overlap);
+- `one_instance`: one all-reduce op in a while loop, run once per pack:
+  one collective instance, reused.
+Each is also run with one pack, to take away what any collective costs
+(gRPC channels, TF's threads). Prints, for worker 0, the RSS growth after
+the last call over the RSS before the first, and per extra pack in
+multiples of a pack's bytes.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import portpicker
+
+_MODES = ("unrolled", "one_key", "one_instance")
+
+
+def _rss_mb():
+  with open("/proc/self/status") as status:
+    for line in status:
+      if line.startswith("VmRSS:"):
+        return int(line.split()[1]) / 1024
+  return 0.0
+
+
+def _step(tf, strategy, mode, packs, length):
+  """The traced step: `packs` all-reduces of `length` floats in turn."""
+  from tensorflow.python.ops import collective_ops  # pylint: disable=g-import-not-at-top
+  launcher = strategy.extended._cross_device_ops._launchers[0]  # pylint: disable=protected-access
+
+  def unrolled():
+    context, total, last = tf.distribute.get_replica_context(), 0.0, []
+    for p in range(packs):
+      with tf.control_dependencies(last):
+        values = tf.fill([length], float(p + 1))
+      last = [context.all_reduce(tf.distribute.ReduceOp.SUM, values)]
+      total += last[0][0]
+    return total
+
+  def one_key():
+    key, total, last = launcher._next_instance_key(), 0.0, []  # pylint: disable=protected-access
+    for p in range(packs):
+      with tf.control_dependencies(last):
+        values = tf.fill([length], float(p + 1))
+      with tf.device(launcher._device):  # pylint: disable=protected-access
+        last = [collective_ops.all_reduce_v2(
+            values, launcher._group_size, launcher._group_key, key,  # pylint: disable=protected-access
+            ordering_token=launcher._get_ordering_token())]  # pylint: disable=protected-access
+      total += last[0][0]
+    return total
+
+  def one_instance():
+    key = launcher._next_instance_key()  # pylint: disable=protected-access
+
+    def body(p, total):
+      values = tf.fill([length], tf.cast(p + 1, tf.float32))
+      with tf.device(launcher._device):  # pylint: disable=protected-access
+        summed = collective_ops.all_reduce_v2(
+            values, launcher._group_size, launcher._group_key, key,  # pylint: disable=protected-access
+            ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
+      return p + 1, total + summed[0]
+    return tf.while_loop(lambda p, _: p < packs, body,
+                         (tf.constant(0), tf.constant(0.0)),
+                         parallel_iterations=1)[1]
+  replica_fn = {"unrolled": unrolled, "one_key": one_key,
+                "one_instance": one_instance}[mode]
+  return tf.function(lambda: strategy.run(replica_fn))
+
+
+def worker(spec):
+  """One worker: prints its RSS growth after the last call."""
+  index, mode, packs, mib, calls, ports = spec.split(",", 5)
+  os.environ["TF_CONFIG"] = json.dumps({
+      "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports.split(":")]},
+      "task": {"type": "worker", "index": int(index)}})
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  strategy = tf.distribute.MultiWorkerMirroredStrategy()
+  packs, workers = int(packs), len(ports.split(":"))
+  step = _step(tf, strategy, mode, packs, (int(mib) << 20) // 4)
+  before = _rss_mb()
+  for _ in range(int(calls)):
+    total = float(step())
+  expected = workers * packs * (packs + 1) / 2
+  if total != expected:
+    raise AssertionError(f"the all-reduces summed to {total}, not {expected}")
+  print(f"growth {_rss_mb() - before:.0f}", flush=True)
+
+
+def _job(mode, packs, mib, calls):
+  """Worker 0's RSS growth (MB)."""
+  ports = ":".join(str(portpicker.pick_unused_port()) for _ in range(2))
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "tools.lab_collective_memory",
+       f"--worker={i},{mode},{packs},{mib},{calls},{ports}"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  outs = []
+  for proc in procs:
+    out, err = proc.communicate(timeout=600)
+    if proc.returncode:
+      raise RuntimeError(f"a worker exited {proc.returncode}:\n{err[-2000:]}")
+    outs.append(out)
+  return float(outs[0].split()[-1])
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m tools.lab_collective_memory")
+  parser.add_argument("--packs", type=int, default=12)
+  parser.add_argument("--mib", type=int, default=32)
+  parser.add_argument("--calls", type=int, default=4)
+  parser.add_argument("--worker", default=None, help="(internal)")
+  args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+  if args.worker:
+    worker(args.worker)
+    return
+  if args.packs < 2 or args.mib < 1 or args.calls < 1:
+    parser.error(f"need --packs >= 2, --mib >= 1, --calls >= 1. Received: "
+                 f"packs={args.packs}, mib={args.mib}, calls={args.calls}")
+  print(f"2 workers, {args.calls} calls of a step of {args.packs} "
+        f"all-reduces of {args.mib} MiB; worker 0's RSS growth:")
+  for mode in _MODES:
+    one = _job(mode, 1, args.mib, args.calls)
+    many = _job(mode, args.packs, args.mib, args.calls)
+    per_pack = (many - one) / (args.packs - 1) / (args.mib * 1.048576)
+    print(f"  {mode:12s} 1 pack +{one:.0f} MB, {args.packs} packs "
+          f"+{many:.0f} MB: {per_pack:.2f}x a pack's bytes per extra pack",
+          flush=True)
+
+
+if __name__ == "__main__":
+  main()
