@@ -17,7 +17,9 @@ traced step of --packs all-reduces of --mib MiB, one after another
 Each is also run with one pack, to take away what any collective costs
 (gRPC channels, TF's threads). Prints, for worker 0, the RSS growth after
 the last call over the RSS before the first, and per extra pack in
-multiples of a pack's bytes.
+multiples of a pack's bytes; and the growth again after glibc's
+malloc_trim(0), which hands back every free page: what is left is
+memory in use, not malloc's free lists.
 """
 
 import argparse
@@ -99,7 +101,10 @@ def worker(spec):
   expected = workers * packs * (packs + 1) / 2
   if total != expected:
     raise AssertionError(f"the all-reduces summed to {total}, not {expected}")
-  print(f"growth {_rss_mb() - before:.0f}", flush=True)
+  grown = _rss_mb() - before
+  import ctypes  # pylint: disable=g-import-not-at-top
+  ctypes.CDLL("libc.so.6").malloc_trim(0)
+  print(f"growth {grown:.0f} {_rss_mb() - before:.0f}", flush=True)
 
 
 def _job(mode, packs, mib, calls):
@@ -116,7 +121,7 @@ def _job(mode, packs, mib, calls):
     if proc.returncode:
       raise RuntimeError(f"a worker exited {proc.returncode}:\n{err[-2000:]}")
     outs.append(out)
-  return float(outs[0].split()[-1])
+  return [float(x) for x in outs[0].split()[-2:]]
 
 
 def main(argv=None):
@@ -135,8 +140,10 @@ def main(argv=None):
   print(f"2 workers, {args.calls} calls of a step of {args.packs} "
         f"all-reduces of {args.mib} MiB; worker 0's RSS growth:")
   for mode in _MODES:
-    one = _job(mode, 1, args.mib, args.calls)
-    many = _job(mode, args.packs, args.mib, args.calls)
+    (one, one_trim), (many, many_trim) = (
+        _job(mode, packs, args.mib, args.calls) for packs in (1, args.packs))
+    print(f"  after malloc_trim(0): 1 pack +{one_trim:.0f} MB, "
+          f"{args.packs} packs +{many_trim:.0f} MB")
     per_pack = (many - one) / (args.packs - 1) / (args.mib * 1.048576)
     print(f"  {mode:12s} 1 pack +{one:.0f} MB, {args.packs} packs "
           f"+{many:.0f} MB: {per_pack:.2f}x a pack's bytes per extra pack",
