@@ -6,14 +6,14 @@ python -m tools.lab_collective_memory [--packs=12] [--mib=32] [--calls=4]
 
 Two worker processes on loopback (ports from portpicker) each run a
 traced step of --packs all-reduces of --mib MiB, one after another
-(each waits for the one before), --calls times, in two ways:
-- `unrolled`: one all-reduce op per pack, as a training step sends its
-  gradient packs (tfdist.compression.PlainReducer): one collective
-  instance per pack;
-- `one_key`: one all-reduce op per pack as `unrolled`, all with the same
-  instance key (each waits for the one before, so none overlap);
-- `one_instance`: one all-reduce op in a while loop, run once per pack:
-  one collective instance, reused.
+(each waits for the one before), --calls times, in three ways:
+- `unrolled`: one all-reduce op per pack, of floats made from the step's
+  argument, as a training step sends its gradient packs
+  (tfdist.compression.PlainReducer);
+- `unrolled_constants`: the same, of floats made from constants only:
+  TF's graph optimizer folds each into a constant the traced function
+  keeps (about a pack's bytes per op);
+- `one_instance`: one all-reduce op in a while loop, run once per pack.
 Each is also run with one pack, to take away what any collective costs
 (gRPC channels, TF's threads). Prints, for worker 0, the RSS growth after
 the last call over the RSS before the first, and per extra pack in
@@ -30,7 +30,7 @@ import sys
 
 import portpicker
 
-_MODES = ("unrolled", "one_key", "one_instance")
+_MODES = ("unrolled", "unrolled_constants", "one_instance")
 
 
 def _rss_mb():
@@ -42,36 +42,27 @@ def _rss_mb():
 
 
 def _step(tf, strategy, mode, packs, length):
-  """The traced step: `packs` all-reduces of `length` floats in turn."""
+  """The traced step: `packs` all-reduces of `length` floats in turn,
+  the floats made from the step's argument (as gradients are), or, for
+  `unrolled_constants`, from constants only."""
   from tensorflow.python.ops import collective_ops  # pylint: disable=g-import-not-at-top
   launcher = strategy.extended._cross_device_ops._launchers[0]  # pylint: disable=protected-access
 
-  def unrolled():
+  def unrolled(scale):
     context, total, last = tf.distribute.get_replica_context(), 0.0, []
     for p in range(packs):
       with tf.control_dependencies(last):
-        values = tf.fill([length], float(p + 1))
+        values = tf.fill([length], float(p + 1) * (
+            1.0 if mode == "unrolled_constants" else scale))
       last = [context.all_reduce(tf.distribute.ReduceOp.SUM, values)]
       total += last[0][0]
     return total
 
-  def one_key():
-    key, total, last = launcher._next_instance_key(), 0.0, []  # pylint: disable=protected-access
-    for p in range(packs):
-      with tf.control_dependencies(last):
-        values = tf.fill([length], float(p + 1))
-      with tf.device(launcher._device):  # pylint: disable=protected-access
-        last = [collective_ops.all_reduce_v2(
-            values, launcher._group_size, launcher._group_key, key,  # pylint: disable=protected-access
-            ordering_token=launcher._get_ordering_token())]  # pylint: disable=protected-access
-      total += last[0][0]
-    return total
-
-  def one_instance():
+  def one_instance(scale):
     key = launcher._next_instance_key()  # pylint: disable=protected-access
 
     def body(p, total):
-      values = tf.fill([length], tf.cast(p + 1, tf.float32))
+      values = tf.fill([length], tf.cast(p + 1, tf.float32) * scale)
       with tf.device(launcher._device):  # pylint: disable=protected-access
         summed = collective_ops.all_reduce_v2(
             values, launcher._group_size, launcher._group_key, key,  # pylint: disable=protected-access
@@ -80,9 +71,8 @@ def _step(tf, strategy, mode, packs, length):
     return tf.while_loop(lambda p, _: p < packs, body,
                          (tf.constant(0), tf.constant(0.0)),
                          parallel_iterations=1)[1]
-  replica_fn = {"unrolled": unrolled, "one_key": one_key,
-                "one_instance": one_instance}[mode]
-  return tf.function(lambda: strategy.run(replica_fn))
+  replica_fn = one_instance if mode == "one_instance" else unrolled
+  return tf.function(lambda scale: strategy.run(replica_fn, args=(scale,)))
 
 
 def worker(spec):
@@ -97,7 +87,7 @@ def worker(spec):
   step = _step(tf, strategy, mode, packs, (int(mib) << 20) // 4)
   before = _rss_mb()
   for _ in range(int(calls)):
-    total = float(step())
+    total = float(step(tf.constant(1.0)))
   expected = workers * packs * (packs + 1) / 2
   if total != expected:
     raise AssertionError(f"the all-reduces summed to {total}, not {expected}")
