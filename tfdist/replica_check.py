@@ -94,8 +94,9 @@ class ChiefBroadcast:
   all-reduce per dtype called again for each piece. One all-reduce of the
   whole state held about four copies of it at once; one function per
   chunk still left each worker but the chief holding about half of every
-  chunk sent, since TF keeps memory per collective instance
-  (tools/bench_replica_memory). A variable bigger than a piece spans
+  chunk sent, as long as its function lived (tools/bench_replica_memory;
+  a collective op itself keeps nothing once it ends:
+  tools/lab_collective_memory). A variable bigger than a piece spans
   several; it is held up to three times here while it is compared (its
   values, read once, the chief's, and the assign's new buffer).
   """
