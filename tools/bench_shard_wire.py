@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 import portpicker
 
@@ -84,16 +85,31 @@ def _job(ns, workers, mode, exchanges, floats):
   """Loopback bytes of one job."""
   ports = ":".join(str(portpicker.pick_unused_port()) for _ in range(workers))
   before = ns.tx_bytes()
-  procs = [subprocess.Popen(
-      ["ip", "netns", "exec", ns.name, sys.executable, "-m",
-       "tools.bench_shard_wire", f"--floats={floats}",
-       f"--worker={i},{mode},{exchanges},{ports}"],
-      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-      for i in range(workers)]
-  for proc in procs:
-    _, err = proc.communicate(timeout=600)
-    if proc.returncode:
-      raise RuntimeError(f"a worker exited {proc.returncode}:\n{err[-2000:]}")
+  procs, logs = [], []
+  try:
+    for i in range(workers):
+      # stderr to a file: a full pipe would block a worker in a collective.
+      logs.append(tempfile.TemporaryFile())
+      procs.append(subprocess.Popen(
+          ["ip", "netns", "exec", ns.name, sys.executable, "-m",
+           "tools.bench_shard_wire", f"--floats={floats}",
+           f"--worker={i},{mode},{exchanges},{ports}"],
+          stdout=subprocess.DEVNULL, stderr=logs[-1],
+          text=True))
+    for proc in procs:
+      proc.wait(timeout=600)
+      if proc.returncode:
+        log = logs[procs.index(proc)]
+        log.seek(0)
+        raise RuntimeError(f"a worker exited {proc.returncode}:\n"
+                           f"{log.read()[-2000:].decode(errors='replace')}")
+  finally:
+    for proc in procs:  # The others, blocked in a collective, go too.
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for log in logs:
+      log.close()
   return ns.tx_bytes() - before
 
 

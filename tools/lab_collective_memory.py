@@ -1,6 +1,6 @@
-"""What TF keeps for each collective: RSS of a MultiWorkerMirrored worker
-after steps of all-reduces, for issue 46's "where does a replica's memory
-go".
+"""Whether TF keeps memory for each collective op of a traced step: RSS
+of a MultiWorkerMirrored worker after steps of all-reduces, for issue
+46's "where does a replica's memory go".
 
 python -m tools.lab_collective_memory [--packs=12] [--mib=32] [--calls=4]
 
@@ -10,9 +10,9 @@ traced step of --packs all-reduces of --mib MiB, one after another
 - `unrolled`: one all-reduce op per pack, of floats made from the step's
   argument, as a training step sends its gradient packs
   (tfdist.compression.PlainReducer);
-- `unrolled_constants`: the same, of floats made from constants only:
-  TF's graph optimizer folds each into a constant the traced function
-  keeps (about a pack's bytes per op);
+- `unrolled_constants`: the same, of floats made from constants only
+  (kept about a pack's bytes per op: TF's graph optimizer, we infer,
+  folds each fill into a constant the traced function keeps);
 - `one_instance`: one all-reduce op in a while loop, run once per pack.
 Each is also run with one pack, to take away what any collective costs
 (gRPC channels, TF's threads). Prints, for worker 0, the RSS growth after
@@ -27,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import portpicker
 
@@ -76,7 +77,8 @@ def _step(tf, strategy, mode, packs, length):
 
 
 def worker(spec):
-  """One worker: prints its RSS growth after the last call."""
+  """One worker: prints its RSS growth after the last call (one local
+  replica, as the lab starts it)."""
   index, mode, packs, mib, calls, ports = spec.split(",", 5)
   os.environ["TF_CONFIG"] = json.dumps({
       "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports.split(":")]},
@@ -98,20 +100,36 @@ def worker(spec):
 
 
 def _job(mode, packs, mib, calls):
-  """Worker 0's RSS growth (MB)."""
+  """Worker 0's RSS growth (MiB), before and after the trim. Each
+  worker's stderr goes to a file (a full pipe would block it inside a
+  collective); workers still running when this ends are killed."""
   ports = ":".join(str(portpicker.pick_unused_port()) for _ in range(2))
-  procs = [subprocess.Popen(
-      [sys.executable, "-m", "tools.lab_collective_memory",
-       f"--worker={i},{mode},{packs},{mib},{calls},{ports}"],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i in range(2)]
-  outs = []
-  for proc in procs:
-    out, err = proc.communicate(timeout=600)
-    if proc.returncode:
-      raise RuntimeError(f"a worker exited {proc.returncode}:\n{err[-2000:]}")
-    outs.append(out)
-  return [float(x) for x in outs[0].split()[-2:]]
+  procs, logs = [], []
+  try:
+    for i in range(2):
+      logs.append(tempfile.TemporaryFile())
+      procs.append(subprocess.Popen(
+          [sys.executable, "-m", "tools.lab_collective_memory",
+           f"--worker={i},{mode},{packs},{mib},{calls},{ports}"],
+          stdout=subprocess.PIPE, stderr=logs[-1],
+          text=True))
+    outs = []
+    for proc in procs:
+      out, _ = proc.communicate(timeout=600)
+      if proc.returncode:
+        log = logs[procs.index(proc)]
+        log.seek(0)
+        raise RuntimeError(f"a worker exited {proc.returncode}:\n"
+                           f"{log.read()[-2000:].decode(errors='replace')}")
+      outs.append(out)
+    return [float(x) for x in outs[0].split()[-2:]]
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for log in logs:
+      log.close()
 
 
 def main(argv=None):
@@ -132,11 +150,11 @@ def main(argv=None):
   for mode in _MODES:
     (one, one_trim), (many, many_trim) = (
         _job(mode, packs, args.mib, args.calls) for packs in (1, args.packs))
-    print(f"  after malloc_trim(0): 1 pack +{one_trim:.0f} MB, "
-          f"{args.packs} packs +{many_trim:.0f} MB")
-    per_pack = (many - one) / (args.packs - 1) / (args.mib * 1.048576)
-    print(f"  {mode:12s} 1 pack +{one:.0f} MB, {args.packs} packs "
-          f"+{many:.0f} MB: {per_pack:.2f}x a pack's bytes per extra pack",
+    print(f"  after malloc_trim(0): 1 pack +{one_trim:.0f} MiB, "
+          f"{args.packs} packs +{many_trim:.0f} MiB")
+    per_pack = (many - one) / (args.packs - 1) / args.mib
+    print(f"  {mode:12s} 1 pack +{one:.0f} MiB, {args.packs} packs "
+          f"+{many:.0f} MiB: {per_pack:.2f}x a pack's bytes per extra pack",
           flush=True)
 
 
