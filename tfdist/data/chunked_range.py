@@ -86,19 +86,19 @@ def _range_of(graph):
   return (*bounds, tf.as_dtype(dtype)), ranges[0]
 
 
-def _chunk_size(start, stop, step, chunk):
-  """Examples per split: up to `chunk`, with at least 64 splits; 1 where
+def _chunk_size(start, stop, step):
+  """Examples per split: up to CHUNK, with at least CHUNK splits; 1 where
   a chunk's end would leave int64."""
   length = ((abs(stop - start) + abs(step) - 1) // abs(step)
             if (stop - start) * step > 0 else 0)  # len() stops at 2**63.
-  chunk = min(chunk, length // CHUNK)
+  chunk = min(CHUNK, length // CHUNK)
   span = step * chunk
   return chunk if _INT64_MIN <= stop + span <= _INT64_MAX else 1
 
 
-def chunked(dataset, chunk=CHUNK):
+def chunked(dataset):
   """`dataset` rebuilt with its one `range` source in chunks of up to
-  `chunk` examples; `dataset` itself where there is no such range (more
+  CHUNK examples; `dataset` itself where there is no such range (more
   than one, or bounds that are not constants), where it has fewer than
   128 examples, where the pipeline carries data of its own (a graph over
   MAX_GRAPH_BYTES: the rebuild would hold several copies of it), or
@@ -112,7 +112,7 @@ def chunked(dataset, chunk=CHUNK):
   if found is None:
     return dataset
   (start, stop, step, dtype), node = found
-  size = _chunk_size(start, stop, step, chunk)
+  size = _chunk_size(start, stop, step)
   if size < 2:
     return dataset
   try:

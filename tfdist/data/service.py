@@ -97,6 +97,7 @@ def served_train_fn(dataset, *, service: Service, reader: Reader, run_name,
   epoch the stream is in, not the one the step count is in."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist.data import service_units  # pylint: disable=g-import-not-at-top
+  from tfdist.data import sharding  # pylint: disable=g-import-not-at-top
   per_consumer = global_batch_size // max(reader.consumers, 1)
 
   def batches_from(first_unit, resume=0):
@@ -136,9 +137,9 @@ def served_train_fn(dataset, *, service: Service, reader: Reader, run_name,
       served = tf.data.experimental.service.from_dataset_id(
           policy, service.target, name, element_spec=spec, job_name=name,
           **coordinated)
-      per_replica = context.get_per_replica_batch_size(global_batch_size)
-      if per_replica != per_consumer:
-        served = served.rebatch(per_replica)
+      served = sharding.to_per_replica(
+          served, per_consumer,
+          context.get_per_replica_batch_size(global_batch_size))
       return served.apply(tf.data.experimental.assert_cardinality(
           tf.data.INFINITE_CARDINALITY)).prefetch(tf.data.AUTOTUNE)
     return input_fn
