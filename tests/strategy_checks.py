@@ -4,8 +4,9 @@ strategy, several cases in one process, and prints one line per case.
 python tests/strategy_checks.py mirrored N CASE...     # N logical CPUs
 python tests/strategy_checks.py multi_worker CASE...   # under a TF_CONFIG
 
-CASE is `collectives` or `sharded:OPTIMIZER:CLIP_NORM[:BUCKET]` (BUCKET:
-elements per collective; one bucket by default). One process runs
+CASE is `collectives`, `params:OPTIMIZER` or
+`sharded:OPTIMIZER:CLIP_NORM[:BUCKET]` (BUCKET: elements per collective;
+one bucket by default). One process runs
 every case of a strategy: the logical CPUs are fixed at start-up, and a
 process holds one MultiWorkerMirroredStrategy.
 
@@ -19,6 +20,11 @@ sharded: the same small model and batches train 8 steps on one device
 (Keras's own apply) and with the sharded update on N replicas; the
 weights, and every slot of each shard this process holds, must agree with
 one device's (rtol 1e-5), while each replica holds 1/N of the state.
+
+params:OPTIMIZER: the same with the weights sharded too
+(tfdist.sharded_params), the model's whole weights released; and a model
+with a layer called twice, BatchNorm and a block with dropout inside
+against Keras's unsharded update on the same strategy.
 """
 
 import sys
@@ -211,6 +217,121 @@ def check_sharded(strategy, name, clip, bucket_elements):
         f"per replica {state} of {whole} bytes", flush=True)
 
 
+def _layered_model():
+  """A layer called twice, BatchNorm statistics, and a block of layers
+  with dropout inside (one unit, whose second run in the backward must
+  draw the forward's mask)."""
+  import keras  # pylint: disable=g-import-not-at-top
+
+  class Block(keras.layers.Layer):
+    def __init__(self):
+      super().__init__()
+      self.inner = keras.layers.Dense(8, activation="relu")
+      self.dropout = keras.layers.Dropout(0.5)
+      self.outer = keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+      return self.outer(self.dropout(self.inner(x), training=training))
+
+  keras.utils.set_random_seed(1)
+  inputs = keras.Input((8,))
+  shared = keras.layers.Dense(8, activation="tanh")
+  hidden = keras.layers.BatchNormalization()(shared(shared(inputs)))
+  return keras.Model(inputs, Block()(hidden))
+
+
+def _per_replica(strategy, x, y):
+  share = BATCH // strategy.num_replicas_in_sync
+  return strategy.experimental_distribute_values_from_function(
+      lambda c: (x[c.replica_id_in_sync_group * share:][:share],
+                 y[c.replica_id_in_sync_group * share:][:share]))
+
+
+def _train_params(strategy, make_model, make_optimizer):
+  """Sharded weights, released once sharded; the sharded state."""
+  from tfdist import sharded_params  # pylint: disable=g-import-not-at-top
+  features, labels = _batches()
+  loss_fn = _loss_fn()
+  with strategy.scope():
+    model = make_model()
+  sharded = sharded_params.ShardedParams(
+      strategy=strategy, model=model, make_optimizer=make_optimizer)
+
+  @tf.function
+  def step(x, y):
+    def replica_fn(x, y):
+      with tf.GradientTape() as tape:
+        with sharded.gathering():
+          logits = model(x, training=True)
+        loss = tf.nn.compute_average_loss(loss_fn(y, logits),
+                                          global_batch_size=BATCH)
+      sharded.apply(tape.gradient(loss, sharded.variables()))
+      return loss
+    return strategy.run(replica_fn, args=_per_replica(strategy, x, y))
+
+  for k in range(STEPS):
+    step(tf.constant(features[k]), tf.constant(labels[k]))
+  return model, sharded
+
+
+def _train_plain(strategy, make_model, make_optimizer):
+  """Keras's own update on the same strategy, weights not sharded."""
+  features, labels = _batches()
+  loss_fn = _loss_fn()
+  with strategy.scope():
+    model, optimizer = make_model(), make_optimizer()
+    optimizer.build(model.trainable_variables)
+
+  @tf.function
+  def step(x, y):
+    def replica_fn(x, y):
+      with tf.GradientTape() as tape:
+        loss = tf.nn.compute_average_loss(
+            loss_fn(y, model(x, training=True)), global_batch_size=BATCH)
+      optimizer.apply_gradients(zip(tape.gradient(
+          loss, model.trainable_variables), model.trainable_variables))
+      return loss
+    return strategy.run(replica_fn, args=_per_replica(strategy, x, y))
+
+  for k in range(STEPS):
+    step(tf.constant(features[k]), tf.constant(labels[k]))
+  return model
+
+
+def check_params(strategy, name):
+  """Fully sharded weights: a plain MLP gives one device's weights; a
+  model with a shared layer, BatchNorm and dropout gives the unsharded
+  run's weights and statistics on the same strategy."""
+  make_optimizer = _optimizer_factory(name)
+  reference, _ = _one_device(make_optimizer, 0.0)
+  _, sharded = _train_params(strategy, _model, make_optimizer)
+  got = [w for unit in sharded.gathered_weights() for w in unit]
+  for have, want in zip(got, reference, strict=True):
+    np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+  local = sum(v.numpy().nbytes for v in (*sharded.shards[0],
+                                         *sharded_slots(sharded)))
+  layered, layered_sharded = _train_params(strategy, _layered_model,
+                                           make_optimizer)
+  plain = _train_plain(strategy, _layered_model, make_optimizer)
+  got = [w for unit in layered_sharded.gathered_weights() for w in unit]
+  for have, want in zip(got, plain.trainable_variables, strict=True):
+    np.testing.assert_allclose(have, want.numpy(), rtol=1e-5, atol=1e-6)
+  for have, want in zip(layered.non_trainable_variables,
+                        plain.non_trainable_variables, strict=True):
+    np.testing.assert_allclose(have.numpy(), want.numpy(), rtol=1e-5,
+                               atol=1e-6)
+  whole = sum(w.nbytes for w in reference) * (
+      1 + len(sharded_slots(sharded)) // len(sharded.shards[0]))
+  assert len(sharded.shards[0]) == 2, "one unit per Dense layer"
+  print(f"params ok: {strategy.num_replicas_in_sync} replicas, {name}, "
+        f"state per replica {local} of {whole} bytes", flush=True)
+
+
+def sharded_slots(sharded):
+  from tfdist import sharded_optimizer  # pylint: disable=g-import-not-at-top
+  return sharded_optimizer.slots(sharded.optimizers[0])
+
+
 def main(argv):
   kind = argv[0]
   replicas = int(argv[1]) if kind == "mirrored" else 0
@@ -221,6 +342,8 @@ def main(argv):
     if case == "collectives":
       for bucket_elements in (collectives.BUCKET_ELEMENTS, 100):
         check_collectives(strategy, bucket_elements)
+    elif case.startswith("params:"):
+      check_params(strategy, case.split(":")[1])
     else:
       _, name, clip, *bucket = case.split(":")
       check_sharded(strategy, name, float(clip), int(bucket[0]) if bucket

@@ -24,11 +24,11 @@ CHECK = os.path.join(ROOT, "tests", "strategy_checks.py")
 # with warmup; the weights and every slot against Keras's own update on
 # one device.
 MIRRORED_CASES = {2: ["collectives", "sharded:adam:0.0",
-                      "sharded:adam:0.0:40"],
+                      "sharded:adam:0.0:40", "params:adam"],
                   4: ["collectives", "sharded:momentum:0.5",
-                      "sharded:adamw:0.3:40"]}
+                      "sharded:adamw:0.3:40", "params:adamw"]}
 TWO_WORKER_CASES = ["collectives", "sharded:adam:0.5:40",
-                    "sharded:momentum:0.5"]
+                    "sharded:momentum:0.5", "params:adam"]
 
 
 def _lines(proc, prefix):
@@ -146,3 +146,25 @@ def test_sharded_update_gives_one_devices_weights_and_slots(
 def test_sharded_update_on_two_workers(optimizer, bucket, two_worker_runs):
   for result in two_worker_runs:
     _assert_sharded(result, 2, optimizer, "0.5", bucket)
+
+
+def _assert_params(proc, replicas, optimizer):
+  [line] = [l for l in _lines(proc, "params ok:") if f", {optimizer}," in l]
+  assert f"{replicas} replicas" in line
+  held, whole = (int(n) for n in
+                 line.split("state per replica ")[1].split(" bytes")[0]
+                 .split(" of "))
+  # 1/N of the weights and slots, up to the padding: under one element
+  # per rank, unit and copy (2 units; weights and 2 slots).
+  assert 0 <= held * replicas - whole < 2 * replicas * 4 * 3, line
+
+
+@pytest.mark.parametrize("replicas,optimizer", [(2, "adam"), (4, "adamw")])
+def test_sharded_weights_give_one_devices_weights(replicas, optimizer,
+                                                  mirrored_runs):
+  _assert_params(mirrored_runs(replicas), replicas, optimizer)
+
+
+def test_sharded_weights_on_two_workers(two_worker_runs):
+  for result in two_worker_runs:
+    _assert_params(result, 2, "adam")

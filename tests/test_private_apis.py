@@ -55,6 +55,32 @@ def test_collective_launchers_keep_their_keys_and_token():
   assert collectives.ShardCollectives(strategy, length=4).shard_size == 2
 
 
+def test_a_layer_runs_the_call_set_on_it_over_released_storage():
+  """tfdist.sharded_params runs each unit through a `call` set on the
+  layer (Keras's __call__ must look it up on the instance) inside a
+  StatelessScope, and frees a Keras variable's storage by replacing its
+  `_value` (its shape must stay the layer's, and a read outside the
+  scope must fail, not use stale values)."""
+  layer = keras.layers.Dense(2)
+  layer.build((None, 3))
+  kernel, bias = layer.kernel, layer.bias
+  kernel._value = tf.Variable(tf.zeros([0]))  # pylint: disable=protected-access
+  assert tuple(kernel.shape) == (3, 2), VERSIONS
+  with pytest.raises((ValueError, tf.errors.InvalidArgumentError)):
+    layer(tf.ones([1, 3]))
+  original, calls = layer.call, []
+
+  def call(*args, **kwargs):
+    calls.append(args)
+    with keras.StatelessScope([(kernel, tf.ones([3, 2])),
+                               (bias, tf.zeros([2]))]):
+      return original(*args, **kwargs)
+
+  object.__setattr__(layer, "call", call)
+  np.testing.assert_allclose(layer(tf.ones([1, 3])).numpy(), [[3.0, 3.0]])
+  assert len(calls) == 1, VERSIONS
+
+
 def test_a_constant_rate_is_the_optimizers_learning_rate_variable():
   """Callbacks set the rate through it, and checkpoints key it."""
   from tfdist import callbacks  # pylint: disable=g-import-not-at-top

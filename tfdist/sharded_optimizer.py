@@ -67,6 +67,25 @@ def _check_slot_layout(make_optimizer):
         "match an unsharded one.")
 
 
+def update_shards(optimizer, grads, shards, run=None):
+  """Updates `shards` (this replica's, which `optimizer` was built on)
+  with their summed `grads`, in Keras's order in apply(): decoupled
+  weight decay (on every element: tfdist excludes no variable), the
+  update, the step count. `run`: the run's optimizer, whose rate, decay
+  and step count are the run's (default: `optimizer`). Keras's own
+  apply() would merge_call across the replicas, whose optimizers differ
+  here."""
+  run = run or optimizer
+  rate = tf.cast(run.learning_rate, tf.float32)
+  for grad, shard in zip(grads, shards):
+    if run.weight_decay:
+      shard.assign(shard - shard * run.weight_decay * rate)
+    optimizer.update_step(grad, shard, rate)
+  optimizer.iterations.assign_add(1)
+  if run is not optimizer:
+    run.iterations.assign_add(1)
+
+
 class _SlotView(tf.__internal__.tracking.Trackable):
   """Slot `slot` of variable `variable`, whole, under the checkpoint key
   an unsharded run's optimizer gives it."""
@@ -166,18 +185,7 @@ class ShardedUpdate:
     shard, optimizer = self.shards[local], self.optimizers[local]
     shard.assign(self._shard_of([v.value for v in self._variables],
                                 self._ranks[local]))
-    # Keras's order in apply(): decoupled weight decay (on every element:
-    # tfdist excludes no variable), the update, the step count. Its own
-    # apply() would merge_call across the replicas, whose optimizers
-    # differ here.
-    run = self._optimizer or optimizer
-    rate = tf.cast(run.learning_rate, shard.dtype)
-    if run.weight_decay:
-      shard.assign(shard - shard * run.weight_decay * rate)
-    optimizer.update_step(summed, shard, rate)
-    optimizer.iterations.assign_add(1)
-    if self._optimizer is not None:
-      self._optimizer.iterations.assign_add(1)
+    update_shards(optimizer, [summed], [shard], run=self._optimizer)
     new = self._new_weights(shard.read_value())
 
     def assign(strategy, values):

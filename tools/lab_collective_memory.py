@@ -25,11 +25,9 @@ memory in use, not malloc's free lists.
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
-import portpicker
+from . import worker_pair
 
 _MODES = ("unrolled", "unrolled_constants", "one_instance")
 
@@ -100,36 +98,12 @@ def worker(spec):
 
 
 def _job(mode, packs, mib, calls):
-  """Worker 0's RSS growth (MiB), before and after the trim. Each
-  worker's stderr goes to a file (a full pipe would block it inside a
-  collective); workers still running when this ends are killed."""
-  ports = ":".join(str(portpicker.pick_unused_port()) for _ in range(2))
-  procs, logs = [], []
-  try:
-    for i in range(2):
-      logs.append(tempfile.TemporaryFile())
-      procs.append(subprocess.Popen(
-          [sys.executable, "-m", "tools.lab_collective_memory",
-           f"--worker={i},{mode},{packs},{mib},{calls},{ports}"],
-          stdout=subprocess.PIPE, stderr=logs[-1],
-          text=True))
-    outs = []
-    for proc in procs:
-      out, _ = proc.communicate(timeout=600)
-      if proc.returncode:
-        log = logs[procs.index(proc)]
-        log.seek(0)
-        raise RuntimeError(f"a worker exited {proc.returncode}:\n"
-                           f"{log.read()[-2000:].decode(errors='replace')}")
-      outs.append(out)
-    return [float(x) for x in outs[0].split()[-2:]]
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    for log in logs:
-      log.close()
+  """Worker 0's RSS growth (MiB), before and after the trim."""
+  ports = worker_pair.ports()
+  outs = worker_pair.run("tools.lab_collective_memory", [
+      f"{i},{mode},{packs},{mib},{calls},{ports}" for i in range(2)],
+                         timeout=600)
+  return [float(x) for x in outs[0].split()[-2:]]
 
 
 def main(argv=None):
