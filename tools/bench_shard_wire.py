@@ -1,5 +1,6 @@
-"""Bytes on the wire: reduce-scatter + all-gather (tfdist.collectives)
-against one all-reduce of the same buffer, for MultiWorkerMirrored.
+"""Bytes on the wire: reduce-scatter + all-gather (tfdist.collectives),
+and a step of fully sharded weights (tfdist.sharded_params), against one
+all-reduce of the same buffer, for MultiWorkerMirrored.
 
 sudo python -m tools.bench_shard_wire [--workers=2] [--floats=1000000]
     [--short=20] [--long=60] [--rounds=3]
@@ -8,11 +9,14 @@ Each job runs in a fresh network namespace with only `lo`, so its loopback
 counter sees only that job. A job is --workers processes that each run K
 exchanges of a float32 buffer of --floats elements: either the strategy's
 all-reduce (ring), or tfdist's all-to-all reduce-scatter followed by the
-all-gather of the shards, the pair a sharded optimizer sends per step.
+all-gather of the shards, the pair a sharded optimizer sends per step,
+or (`params`) the forward and backward of one layer whose --floats
+weights are sharded: gathered for the forward, gathered again for the
+backward, the gradient reduce-scattered (1.5x the ring's bytes).
 Jobs of --short and --long exchanges cancel start-up: the difference in
 bytes over the difference in K is the cost of one exchange. Loopback
 counts each packet once: bytes per worker = total / workers. Prints each
-round and the median ratio [min-max]; the ring bound is 2(N-1)/N x the
+round and the median ratio to the all-reduce [min-max]; the ring bound is 2(N-1)/N x the
 buffer. Needs root and iproute2.
 """
 
@@ -28,7 +32,7 @@ import portpicker
 
 from .bench_allreduce import Namespace
 
-_MODES = ("all_reduce", "sharded")
+_MODES = ("all_reduce", "sharded", "params")
 
 
 def parse_args(argv):
@@ -61,7 +65,20 @@ def worker(spec, floats):
       communication_options=tf.distribute.experimental.CommunicationOptions(
           implementation=tf.distribute.experimental.CommunicationImplementation.RING))
   shards = collectives.ShardCollectives(strategy, length=floats)
+  exchange = (_params_step(tf, strategy, floats) if mode == "params" else
+              _exchange(tf, strategy, mode, shards, flat_layout, floats))
+  workers = len(ports.split(":"))
+  for k in range(int(exchanges)):
+    total = float(exchange(tf.constant(float(k))))
+    # params: each replica's shard of the summed gradient (the input is
+    # `scale`, so every weight's gradient is `scale` on each replica).
+    expected = k * workers * (floats if mode != "params"
+                              else shards.shard_size)
+    if total != expected:
+      raise AssertionError(f"exchange {k} summed to {total}, not {expected}")
 
+
+def _exchange(tf, strategy, mode, shards, flat_layout, floats):
   @tf.function
   def exchange(scale):
     def replica_fn():
@@ -74,11 +91,32 @@ def worker(spec, floats):
                                                     start, end)))
     return tf.reduce_sum(strategy.experimental_local_results(
         strategy.run(replica_fn))[0])
+  return exchange
 
-  for k in range(int(exchanges)):
-    total = float(exchange(tf.constant(float(k))))
-    if total != k * len(ports.split(":")) * floats:
-      raise AssertionError(f"exchange {k} summed to {total}")
+
+def _params_step(tf, strategy, floats):
+  """The forward and backward of a layer of `floats` sharded weights (1
+  input, `floats` outputs, no bias): the sum of this replica's shard of
+  the summed gradient."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tfdist import sharded_params  # pylint: disable=g-import-not-at-top
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(
+        floats, use_bias=False, kernel_initializer="ones")])
+  sharded = sharded_params.ShardedParams(
+      strategy=strategy, model=model,
+      make_optimizer=lambda: keras.optimizers.SGD(0.0))
+
+  @tf.function
+  def step(scale):
+    def replica_fn():
+      with tf.GradientTape() as tape:
+        with sharded.gathering():
+          loss = tf.reduce_sum(model(tf.reshape(scale, [1, 1])))
+      [grad] = tape.gradient(loss, sharded.variables())
+      return tf.reduce_sum(grad)
+    return strategy.experimental_local_results(strategy.run(replica_fn))[0]
+  return step
 
 
 def _job(ns, workers, mode, exchanges, floats):
@@ -123,7 +161,7 @@ def main(argv=None):
   print(f"{n} workers, a float32 buffer of {args.floats} elements "
         f"({4 * args.floats / 1e6:.1f} MB), jobs of {args.short} and "
         f"{args.long} exchanges; ring bound {bound:.0f} bytes/worker.")
-  ratios = []
+  ratios = {}
   with Namespace() as ns:
     for k in range(args.rounds):
       per_worker = {}
@@ -131,15 +169,18 @@ def main(argv=None):
         short, long_ = (_job(ns, n, mode, steps, args.floats)
                         for steps in (args.short, args.long))
         per_worker[mode] = (long_ - short) / (args.long - args.short) / n
-      ratio = per_worker["sharded"] / per_worker["all_reduce"]
-      ratios.append(ratio)
-      print(f"round {k + 1}: all-reduce {per_worker['all_reduce']:.0f} "
-            f"({per_worker['all_reduce'] / bound:.3f} of the bound), "
-            f"reduce-scatter + all-gather {per_worker['sharded']:.0f} "
-            f"bytes/worker: {ratio:.3f}x", flush=True)
-  print(f"sharded / all-reduce, median [min-max] of {args.rounds}: "
-        f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-"
-        f"{max(ratios):.3f}]")
+      ring = per_worker["all_reduce"]
+      for mode in _MODES[1:]:
+        ratios.setdefault(mode, []).append(per_worker[mode] / ring)
+      print(f"round {k + 1}: all-reduce {ring:.0f} ({ring / bound:.3f} of "
+            f"the bound), reduce-scatter + all-gather "
+            f"{per_worker['sharded']:.0f} ({per_worker['sharded'] / ring:.3f}"
+            f"x), sharded weights' step {per_worker['params']:.0f} "
+            f"({per_worker['params'] / ring:.3f}x) bytes/worker", flush=True)
+  for mode, values in ratios.items():
+    print(f"{mode} / all-reduce, median [min-max] of {args.rounds}: "
+          f"{statistics.median(values):.3f} [{min(values):.3f}-"
+          f"{max(values):.3f}]")
 
 
 if __name__ == "__main__":
