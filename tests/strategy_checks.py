@@ -218,25 +218,45 @@ def check_sharded(strategy, name, clip, bucket_elements):
 
 
 def _layered_model():
-  """A layer called twice, BatchNorm statistics, and a block of layers
-  with dropout inside (one unit, whose second run in the backward must
-  draw the forward's mask)."""
+  """A layer called twice; BatchNorm statistics; integer inputs to an
+  embedding; a layer given one tensor as two arguments, with two outputs;
+  and a block whose dropout and BatchNorm inherit `training` from the
+  model's call (its own call takes none): the backward's second run of
+  each unit must see what the forward saw (mask, batch statistics)."""
   import keras  # pylint: disable=g-import-not-at-top
 
   class Block(keras.layers.Layer):
     def __init__(self):
       super().__init__()
       self.inner = keras.layers.Dense(8, activation="relu")
+      self.norm = keras.layers.BatchNormalization()
       self.dropout = keras.layers.Dropout(0.5)
       self.outer = keras.layers.Dense(3)
 
-    def call(self, x, training=False):
-      return self.outer(self.dropout(self.inner(x), training=training))
+    def call(self, x):
+      return self.outer(self.dropout(self.norm(self.inner(x))))
+
+  class Gate(keras.layers.Layer):
+    def __init__(self):
+      super().__init__()
+      self.dense = keras.layers.Dense(8)
+
+    def call(self, a, b):
+      h = self.dense(a)
+      return h * keras.ops.tanh(b), h
+
+  class ToIds(keras.layers.Layer):
+    def call(self, x):
+      return keras.ops.cast(keras.ops.abs(x[:, :2]) * 3, "int32") % 5
 
   keras.utils.set_random_seed(1)
   inputs = keras.Input((8,))
+  embedded = keras.layers.Flatten()(
+      keras.layers.Embedding(5, 4)(ToIds()(inputs)))
   shared = keras.layers.Dense(8, activation="tanh")
   hidden = keras.layers.BatchNormalization()(shared(shared(inputs)))
+  gated, plain = Gate()(hidden, hidden)
+  hidden = keras.layers.Concatenate()([gated, plain, embedded])
   return keras.Model(inputs, Block()(hidden))
 
 
@@ -247,7 +267,7 @@ def _per_replica(strategy, x, y):
                  y[c.replica_id_in_sync_group * share:][:share]))
 
 
-def _train_params(strategy, make_model, make_optimizer):
+def _train_params(strategy, make_model, make_optimizer, prefetch=True):
   """Sharded weights, released once sharded; the sharded state."""
   from tfdist import sharded_params  # pylint: disable=g-import-not-at-top
   features, labels = _batches()
@@ -255,7 +275,8 @@ def _train_params(strategy, make_model, make_optimizer):
   with strategy.scope():
     model = make_model()
   sharded = sharded_params.ShardedParams(
-      strategy=strategy, model=model, make_optimizer=make_optimizer)
+      strategy=strategy, model=model, make_optimizer=make_optimizer,
+      prefetch=prefetch)
 
   @tf.function
   def step(x, y):
@@ -275,7 +296,8 @@ def _train_params(strategy, make_model, make_optimizer):
 
 
 def _train_plain(strategy, make_model, make_optimizer):
-  """Keras's own update on the same strategy, weights not sharded."""
+  """Keras's own update on the same strategy, weights not sharded, each
+  gradient dense."""
   features, labels = _batches()
   loss_fn = _loss_fn()
   with strategy.scope():
@@ -288,8 +310,11 @@ def _train_plain(strategy, make_model, make_optimizer):
       with tf.GradientTape() as tape:
         loss = tf.nn.compute_average_loss(
             loss_fn(y, model(x, training=True)), global_batch_size=BATCH)
-      optimizer.apply_gradients(zip(tape.gradient(
-          loss, model.trainable_variables), model.trainable_variables))
+      # Dense, as the sharded update (and ZeRO-1) applies an embedding's
+      # gradient: Keras updates IndexedSlices otherwise.
+      grads = [tf.convert_to_tensor(g) for g in tape.gradient(
+          loss, model.trainable_variables)]
+      optimizer.apply_gradients(zip(grads, model.trainable_variables))
       return loss
     return strategy.run(replica_fn, args=_per_replica(strategy, x, y))
 
@@ -310,16 +335,26 @@ def check_params(strategy, name):
     np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
   local = sum(v.numpy().nbytes for v in (*sharded.shards[0],
                                          *sharded_slots(sharded)))
-  layered, layered_sharded = _train_params(strategy, _layered_model,
-                                           make_optimizer)
   plain = _train_plain(strategy, _layered_model, make_optimizer)
-  got = [w for unit in layered_sharded.gathered_weights() for w in unit]
-  for have, want in zip(got, plain.trainable_variables, strict=True):
-    np.testing.assert_allclose(have, want.numpy(), rtol=1e-5, atol=1e-6)
-  for have, want in zip(layered.non_trainable_variables,
-                        plain.non_trainable_variables, strict=True):
-    np.testing.assert_allclose(have.numpy(), want.numpy(), rtol=1e-5,
-                               atol=1e-6)
+  for prefetch in (True, False):
+    layered, layered_sharded = _train_params(strategy, _layered_model,
+                                             make_optimizer, prefetch)
+    got = [w for unit in layered_sharded.gathered_weights() for w in unit]
+    want = [v.numpy() for unit in layered_sharded.units for v in unit.weights]
+    assert not any(w.size for w in want), "the whole weights are released"
+    # The two models are built alike: their weights match by position.
+    place = {id(v): i for i, v in enumerate(layered.trainable_variables)}
+    units = [v for unit in layered_sharded.units for v in unit.weights]
+    assert sorted(place[id(v)] for v in units) == list(range(len(place)))
+    for have, variable in zip(got, units, strict=True):
+      np.testing.assert_allclose(
+          have, plain.trainable_variables[place[id(variable)]].numpy(),
+          rtol=1e-5, atol=1e-6,
+          err_msg=f"{variable.path}, prefetch {prefetch}")
+    for have, wanted in zip(layered.non_trainable_variables,
+                            plain.non_trainable_variables, strict=True):
+      np.testing.assert_allclose(have.numpy(), wanted.numpy(), rtol=1e-5,
+                                 atol=1e-6, err_msg=have.path)
   whole = sum(w.nbytes for w in reference) * (
       1 + len(sharded_slots(sharded)) // len(sharded.shards[0]))
   assert len(sharded.shards[0]) == 2, "one unit per Dense layer"

@@ -81,6 +81,43 @@ def test_a_layer_runs_the_call_set_on_it_over_released_storage():
   assert len(calls) == 1, VERSIONS
 
 
+def test_keras_keeps_its_call_context_and_autocast_scope_as_read():
+  """tfdist.keras_context reads Keras's call context (the `training` an
+  outer call set) and autocast scope, and enters them again for the
+  backward's second run of a sharded unit."""
+  from tfdist import keras_context  # pylint: disable=g-import-not-at-top
+  seen = []
+
+  class Probe(keras.layers.Layer):
+    def call(self, x):
+      seen.append(keras_context.capture())
+      return x
+
+  class Outer(keras.layers.Layer):
+    def __init__(self, **kwargs):
+      super().__init__(**kwargs)
+      self.probe = Probe(dtype=kwargs.get("dtype"))
+
+    def call(self, x, training=False):
+      return self.probe(x)
+
+  Outer()(tf.ones([1, 2]), training=True)
+  plain = seen[-1]  # The eager call's (a build may call it symbolically).
+  Outer(dtype="mixed_float16")(tf.ones([1, 2]), training=True)
+  mixed = seen[-1]
+  assert plain.call_context.training is True, VERSIONS
+  assert plain.autocast is None, VERSIONS
+  assert mixed.autocast.dtype == "float16", VERSIONS
+  assert keras_context.capture().call_context is None, VERSIONS
+  with keras_context.entered(plain):
+    dropped = keras.layers.Dropout(0.9, seed=1)(tf.ones([1, 1000]))
+  assert float(tf.reduce_sum(dropped)) != 1000.0, VERSIONS  # Inherited.
+  assert keras_context.capture().call_context is None, VERSIONS
+  with keras_context.entered(mixed):
+    cast = keras.layers.Dense(2, dtype="mixed_float16")
+    assert cast(tf.ones([1, 2])).dtype == tf.float16, VERSIONS
+
+
 def test_a_constant_rate_is_the_optimizers_learning_rate_variable():
   """Callbacks set the rate through it, and checkpoints key it."""
   from tfdist import callbacks  # pylint: disable=g-import-not-at-top

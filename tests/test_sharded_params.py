@@ -65,6 +65,13 @@ def test_a_weight_two_layers_share_is_refused():
     sharded_params.plan_units(model)
 
 
+def test_a_weight_regularizer_is_refused():
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(
+      2, kernel_regularizer="l2")])
+  with pytest.raises(ConfigError, match="regularizer.*kernel"):
+    sharded_params.plan_units(model)
+
+
 def test_gathering_puts_the_layers_back_even_when_the_call_fails():
   strategy = _strategy()
   with strategy.scope():

@@ -45,6 +45,14 @@ def mirrored_with_collectives(devices):
 BUCKET_ELEMENTS = 8 * 2**20
 
 
+def local_replica(count):
+  """Which of this worker's `count` replicas runs here (in a replica
+  context), as a Python int: global replica ids count the local replicas
+  of each worker in turn."""
+  context = tf.distribute.get_replica_context()
+  return context._replica_id_in_sync_group % count  # pylint: disable=protected-access
+
+
 class ShardCollectives:
   """Reduce-scatter and all-gather over `strategy`'s replicas, for a flat
   buffer of `length` elements, in buckets of about `bucket_elements`.
@@ -88,10 +96,7 @@ class ShardCollectives:
             for b in range(self.num_buckets)]
 
   def _launcher(self):
-    context = tf.distribute.get_replica_context()
-    # Global replica ids count the local replicas of each worker in turn.
-    local = context._replica_id_in_sync_group % len(self._launchers)  # pylint: disable=protected-access
-    return self._launchers[local]
+    return self._launchers[local_replica(len(self._launchers))]
 
   def _run(self, op, tensor):
     launcher = self._launcher()
@@ -138,6 +143,12 @@ class ShardCollectives:
     buckets = self.gathered_buckets(shard)
     whole = buckets[0] if len(buckets) == 1 else tf.concat(buckets, axis=0)
     return whole[:self.length]
+
+  def local_ranks(self, strategy):
+    """The shard each of this worker's replicas holds, in the order of
+    the strategy's local devices, as Python ints."""
+    per_replica = strategy.run(tf.function(self.rank))
+    return [int(r) for r in strategy.experimental_local_results(per_replica)]
 
   def rank(self):
     """Which shard this replica holds: its rank in the collective group."""

@@ -171,7 +171,7 @@ class ShardedUpdate:
     grads = [tf.zeros(v.shape) if g is None else g
              for v, g in zip(self._variables, grads)]
     context = tf.distribute.get_replica_context()
-    local = context._replica_id_in_sync_group % len(self.shards)  # pylint: disable=protected-access
+    local = collectives.local_replica(len(self.shards))
     shards = self._collectives
     grads = [tf.convert_to_tensor(g) for g in grads]
     summed = shards.reduce_scatter(
@@ -225,9 +225,7 @@ class ShardedUpdate:
   def ranks(self):
     """The shard each local replica holds (the order of self.optimizers
     and self.shards), as Python ints."""
-    per_replica = self._strategy.run(tf.function(self._collectives.rank))
-    return [int(r) for r in
-            self._strategy.experimental_local_results(per_replica)]
+    return self._collectives.local_ranks(self._strategy)
 
   # Checkpoints -------------------------------------------------------------
 
@@ -267,8 +265,7 @@ class ShardedUpdate:
     @tf.function
     def gather():
       def replica_fn():
-        context = tf.distribute.get_replica_context()
-        local = context._replica_id_in_sync_group % len(self.shards)  # pylint: disable=protected-access
+        local = collectives.local_replica(len(self.shards))
         mine = slots(self.optimizers[local])
         return [self._collectives.gathered_buckets(mine[k].value)
                 for k in range(count)]

@@ -21,16 +21,23 @@ at the top of the step and bring the whole model back.
 The layer's other state (BatchNorm statistics, a dropout seed) is read
 before the call and mapped in the scope too, so the backward's second
 run sees the same values (the same dropout mask); what the forward
-assigns to it is assigned after the call.
+assigns to it is assigned after the call. The second run happens after
+the model's call has returned, so it re-enters the forward's Keras call
+context (the `training` inner layers inherit) and autocast scope
+(tfdist.keras_context). What the scope would lose silently (a loss
+added in the call, an assignment to a variable the unit does not own)
+is refused.
 """
 
 import contextlib
+import threading
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist import collectives
 from tfdist import flat_layout
+from tfdist import keras_context
 from tfdist import sharded_optimizer
 from tfdist.errors import ConfigError
 
@@ -47,21 +54,44 @@ class _Unit:
     self.layout = flat_layout.FlatLayout([v.shape for v in self.weights])
 
 
+def _unit_layers(model):
+  """The layers of model.layers with trainable weights, and in place of
+  a model nested in it, its own (so that a backbone is not one unit)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  for layer in model.layers:
+    if isinstance(layer, keras.Model):
+      yield from _unit_layers(layer)
+    elif layer.trainable_weights:
+      yield layer
+
+
 def plan_units(model):
-  """The model's units: each top-level layer with trainable weights.
-  Raises ConfigError when a trainable weight belongs to no such layer
-  (a variable the model itself owns)."""
-  units = [_Unit(layer) for layer in model.layers if layer.trainable_weights]
+  """The model's units: each layer of model.layers (or of a model nested
+  in it) with trainable weights. Raises ConfigError when the model has
+  no trainable weights (or is not built), when a trainable weight
+  belongs to no such layer (a variable the model itself owns), when two
+  layers share a weight, or when a weight has a regularizer or a
+  constraint (Keras computes the one and applies the other on the whole
+  weight, which is released)."""
+  if not model.trainable_weights:
+    raise ConfigError(f"sharded weights: model {model.name} has no "
+                      "trainable weights (is it built?)")
+  units = [_Unit(layer) for layer in _unit_layers(model)]
   owned = {id(v) for unit in units for v in unit.weights}
   loose = [v.path for v in model.trainable_weights if id(v) not in owned]
   if loose:
     raise ConfigError(
-        "--shard=params shards the weights of the model's layers; these "
+        "sharded weights are the weights of the model's layers; these "
         f"belong to no layer of model.layers: {loose}")
-  shared = len(owned) != sum(len(unit.weights) for unit in units)
-  if shared:
-    raise ConfigError("--shard=params: two layers of the model share a "
+  if len(owned) != sum(len(unit.weights) for unit in units):
+    raise ConfigError("sharded weights: two layers of the model share a "
                       "weight; share the layer instead (one unit).")
+  for kind in ("regularizer", "constraint"):
+    found = [v.path for unit in units for v in unit.weights
+             if getattr(v, kind, None) is not None]
+    if found:
+      raise ConfigError(f"sharded weights: a weight {kind} works on the "
+                        f"whole weight; these have one: {found}")
   return units
 
 
@@ -90,7 +120,7 @@ class ShardedParams:
     self._collectives = [collectives.ShardCollectives(
         strategy, length=u.layout.size, bucket_elements=u.layout.size)
                          for u in self.units]
-    self._ranks = self._ask_ranks()
+    self._ranks = self._collectives[0].local_ranks(strategy)
     devices = strategy.extended.worker_devices
     self.shards = [[] for _ in devices]  # [local replica][unit]
     for u in range(len(self.units)):
@@ -102,17 +132,15 @@ class ShardedParams:
         self.optimizers.append(make_optimizer())
         self.optimizers[-1].build(shards)
     self._prefetch = prefetch
-    # Per local replica (their calls are traced on threads of their own):
-    # the inputs of the unit called last, and the reduce-scatter traced
-    # last in the backward.
-    self._previous_inputs = {}
-    self._previous_reduced = {}
+    self._previous_inputs, self._previous_reduced = {}, {}
+    self._lock, self._entered, self._own_calls = threading.Lock(), 0, []
 
   def _shard_unit(self, u, devices, release):
     """Each local replica's shard of unit `u`, from the model's weights;
     then, with `release`, the whole weights are freed. A weight released
-    keeps an empty variable, so that a read outside `gathering()` fails
-    on its shape instead of using stale values."""
+    keeps an empty variable: a layer's call outside `gathering()` fails
+    on its shape instead of using stale values (but a save or
+    get_weights() gets empty arrays)."""
     unit, shards = self.units[u], self._collectives[u]
     flat = unit.layout.flatten_numpy([v.numpy() for v in unit.weights])
     flat = np.pad(flat, [0, shards.bucket - flat.size])
@@ -128,15 +156,8 @@ class ShardedParams:
               tf.zeros([0], variable.dtype), trainable=False,
               name=f"released_{variable.name}")
 
-  def _ask_ranks(self):
-    rank = self._collectives[0].rank
-    per_replica = self._strategy.run(tf.function(rank))
-    return [int(r) for r in
-            self._strategy.experimental_local_results(per_replica)]
-
   def _local(self):
-    context = tf.distribute.get_replica_context()
-    return context._replica_id_in_sync_group % len(self.shards)  # pylint: disable=protected-access
+    return collectives.local_replica(len(self.shards))
 
   def variables(self):
     """This replica's shards (in a replica context), one per unit."""
@@ -183,93 +204,151 @@ class ShardedParams:
 
   @contextlib.contextmanager
   def gathering(self):
-    """While on (around the model's call in a replica context), the
-    units run on gathered weights; see the module docstring."""
-    patched = []
+    """While on (around the model's call, in a replica context or around
+    `strategy.run`), the units run on gathered weights; see the module
+    docstring. Re-entrant: each replica's thread may enter it (a
+    merge_call switches threads inside it); the layers are patched once,
+    and a `call` of the user's own on a layer is put back after."""
+    with self._lock:
+      if not self._entered:
+        self._own_calls = [unit.layer.__dict__.get("call")
+                           for unit in self.units]
+        for u, unit in enumerate(self.units):
+          object.__setattr__(unit.layer, "call",
+                             self._unit_call(u, unit.layer.call))
+      self._entered += 1
     try:
-      for u, unit in enumerate(self.units):
-        original = unit.layer.call
-        object.__setattr__(unit.layer, "call",
-                           self._unit_call(u, original))
-        patched.append(unit.layer)
-      self._previous_inputs, self._previous_reduced = {}, {}
       yield
     finally:
-      for layer in patched:
-        object.__delattr__(layer, "call")
+      with self._lock:
+        self._entered -= 1
+        if not self._entered:
+          for unit, own in zip(self.units, self._own_calls):
+            if own is None:
+              object.__delattr__(unit.layer, "call")
+            else:
+              object.__setattr__(unit.layer, "call", own)
 
   def _unit_call(self, u, original):
     def call(*args, **kwargs):
-      return self._run_unit(u, original, args, kwargs)
+      return self._run_unit(u, _UnitCall(self.units[u], original, args,
+                                         kwargs))
     return call
 
-  def _run_unit(self, u, original, args, kwargs):
-    unit = self.units[u]
-    flat = tf.nest.flatten((args, kwargs))
-    places = [i for i, x in enumerate(flat) if tf.is_tensor(x)]
-    inputs = [flat[i] for i in places]
-    states = [tf.convert_to_tensor(v.value) for v in unit.states]
+  def _run_unit(self, u, call):
+    """Unit `u`'s call as one custom-gradient function of its input
+    tensors and this replica's shard."""
     local = self._local()
+    # Per traced function and local replica (the replicas are traced on
+    # threads of their own): the inputs of the unit called last, and the
+    # reduce-scatter traced last in the backward.
+    key = (tf.compat.v1.get_default_graph(), local)
     shard = self.shards[local][u].read_value()
-    structure, updated = [], []
-
-    def run(inputs, weights, track):
-      values = list(flat)
-      for i, x in zip(places, inputs):
-        values[i] = x
-      call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs),
-                                                        values)
-      mapping = list(zip(unit.weights, weights)) + list(
-          zip(unit.states, states))
-      with _stateless(mapping) as scope:
-        outputs = original(*call_args, **call_kwargs)
-      if track:
-        structure.append(outputs)
-        for variable, value in zip(unit.states, states):
-          new = scope.get_current_value(variable)
-          if new is not None and new is not value:
-            updated.append((variable, new))
-      return tf.nest.flatten(outputs)
-
-    count = len(inputs)
+    count = len(call.inputs)
 
     @tf.custom_gradient
     def unit_fn(*tensors):
       inputs, shard = list(tensors[:count]), tensors[count]
       with tf.control_dependencies([] if self._prefetch else inputs):
         weights = self._gather(u, shard)
-      outputs = run(inputs, weights, track=True)
+      outputs = call.run(inputs, weights, replay=False)
 
       def grad_fn(*upstream):
         upstream = [tf.zeros_like(o) if g is None else g
                     for o, g in zip(outputs, upstream)]
-        after = [] if self._prefetch else self._previous_reduced.get(local, [])
+        after = [] if self._prefetch else self._previous_reduced.get(key, [])
         with tf.control_dependencies(upstream + after):
           weights = self._gather(u, tf.identity(shard))
-        floating = [x for x in inputs if x.dtype.is_floating]
-        with tf.GradientTape() as tape:
-          tape.watch(floating + weights)
-          again = run(inputs, weights, track=False)
-        grads = tape.gradient(again, floating + weights,
-                              output_gradients=upstream)
-        by_input = iter(grads[:len(floating)])
-        input_grads = [next(by_input) if x.dtype.is_floating else None
-                       for x in inputs]
-        reduced = self._reduce_scatter(u, grads[len(floating):])
-        self._previous_reduced[local] = [reduced]
+        input_grads, weight_grads = call.gradients(inputs, weights, upstream)
+        reduced = self._reduce_scatter(u, weight_grads)
+        self._previous_reduced[key] = [reduced]
         return input_grads + [reduced]
 
       return outputs, grad_fn
 
-    with tf.control_dependencies(self._previous_inputs.get(local, [])):
-      results = unit_fn(*inputs, shard)
-    self._previous_inputs[local] = inputs
+    with tf.control_dependencies(self._previous_inputs.get(key, [])):
+      results = unit_fn(*call.inputs, shard)
+    self._previous_inputs[key] = call.inputs
+    return call.finish(results)
+
+
+class _UnitCall:
+  """One call of a unit's layer: its arguments, with each distinct input
+  tensor once (attention's query and value, passed as one tensor, would
+  otherwise each get the whole gradient), its state as read before the
+  call, and Keras's call context (`training` as the outer call set it)
+  and autocast scope, which the backward's second run re-enters: that
+  run happens once the model's call has returned."""
+
+  def __init__(self, unit, original, args, kwargs):
+    self.unit, self._original = unit, original
+    self._structure = (args, kwargs)
+    self._flat = tf.nest.flatten((args, kwargs))
+    self.inputs, self._places, seen = [], [], {}
+    for i, x in enumerate(self._flat):
+      if tf.is_tensor(x):
+        if x.ref() not in seen:
+          seen[x.ref()] = len(self.inputs)
+          self.inputs.append(x)
+        self._places.append((i, seen[x.ref()]))
+    self._context = keras_context.capture()
+    with keras_context.no_autocast():  # The states' own dtype.
+      self._states = [tf.convert_to_tensor(v.value) for v in unit.states]
+    self._outputs, self._updates = None, []
+
+  def run(self, inputs, weights, replay):
+    """The layer's outputs (flat) on `inputs` and `weights`. The forward
+    (replay False) keeps the outputs' structure and the state's updates;
+    the backward's run (replay True) re-enters the forward's context."""
+    values = list(self._flat)
+    for i, k in self._places:
+      values[i] = inputs[k]
+    args, kwargs = tf.nest.pack_sequence_as(self._structure, values)
+    mapping = list(zip(self.unit.weights, weights)) + list(
+        zip(self.unit.states, self._states))
+    scope = keras_context.stateless(mapping)
+    before = dict(scope.state_mapping)
+    with (keras_context.entered(self._context) if replay
+          else contextlib.nullcontext()), scope:
+      outputs = self._original(*args, **kwargs)
+    if not replay:
+      self._outputs = outputs
+      self._updates = self._check_updates(scope, before)
+    return tf.nest.flatten(outputs)
+
+  def _check_updates(self, scope, before):
+    """The states' new values; ConfigError for what the scope would lose:
+    an assignment to a variable the unit does not own, or a loss."""
+    layer = self.unit.layer.name
+    if scope.losses:
+      raise ConfigError(f"sharded weights: layer {layer} adds a loss in "
+                        "its call (add_loss or an activity regularizer).")
+    unknown = set(scope.state_mapping) - set(before)
+    if unknown:
+      raise ConfigError(
+          f"sharded weights: layer {layer} assigns a variable it does not "
+          "own (a layer's state outside it, or an unseeded keras.random "
+          "draw).")
+    return [(v, scope.state_mapping[id(v)]) for v in self.unit.states
+            if scope.state_mapping[id(v)] is not before[id(v)]]
+
+  def gradients(self, inputs, weights, upstream):
+    """The gradients of the inputs (None for the non-float ones) and of
+    the weights, from the layer run again on `weights`."""
+    floating = [x for x in inputs if x.dtype.is_floating]
+    with tf.GradientTape() as tape:
+      tape.watch(floating + weights)
+      outputs = self.run(inputs, weights, replay=True)
+    grads = tape.gradient(outputs, floating + weights,
+                          output_gradients=upstream)
+    by_input = iter(grads[:len(floating)])
+    return ([next(by_input) if x.dtype.is_floating else None
+             for x in inputs], grads[len(floating):])
+
+  def finish(self, results):
+    """The call's outputs, structured as the layer's; the state's
+    updates assigned."""
     results = results if isinstance(results, (list, tuple)) else [results]
-    for variable, value in updated:
+    for variable, value in self._updates:
       variable.assign(value)
-    return tf.nest.pack_sequence_as(structure[0], list(results))
-
-
-def _stateless(mapping):
-  import keras  # pylint: disable=g-import-not-at-top
-  return keras.StatelessScope(state_mapping=mapping)
+    return tf.nest.pack_sequence_as(self._outputs, list(results))

@@ -24,12 +24,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 
-import portpicker
-
+from . import worker_pair
 from .bench_allreduce import Namespace
 
 _MODES = ("all_reduce", "sharded", "params")
@@ -70,10 +67,7 @@ def worker(spec, floats):
   workers = len(ports.split(":"))
   for k in range(int(exchanges)):
     total = float(exchange(tf.constant(float(k))))
-    # params: each replica's shard of the summed gradient (the input is
-    # `scale`, so every weight's gradient is `scale` on each replica).
-    expected = k * workers * (floats if mode != "params"
-                              else shards.shard_size)
+    expected = k * workers * floats
     if total != expected:
       raise AssertionError(f"exchange {k} summed to {total}, not {expected}")
 
@@ -96,8 +90,10 @@ def _exchange(tf, strategy, mode, shards, flat_layout, floats):
 
 def _params_step(tf, strategy, floats):
   """The forward and backward of a layer of `floats` sharded weights (1
-  input, `floats` outputs, no bias): the sum of this replica's shard of
-  the summed gradient."""
+  input, `floats` outputs, no bias): the sum of the summed gradient (the
+  input is `scale`, so every weight's gradient is `scale` on each
+  replica), from every replica's shard by one scalar all-reduce (a few
+  bytes beside the weights')."""
   import keras  # pylint: disable=g-import-not-at-top
   from tfdist import sharded_params  # pylint: disable=g-import-not-at-top
   with strategy.scope():
@@ -114,40 +110,20 @@ def _params_step(tf, strategy, floats):
         with sharded.gathering():
           loss = tf.reduce_sum(model(tf.reshape(scale, [1, 1])))
       [grad] = tape.gradient(loss, sharded.variables())
-      return tf.reduce_sum(grad)
+      return tf.distribute.get_replica_context().all_reduce(
+          tf.distribute.ReduceOp.SUM, tf.reduce_sum(grad))
     return strategy.experimental_local_results(strategy.run(replica_fn))[0]
   return step
 
 
 def _job(ns, workers, mode, exchanges, floats):
   """Loopback bytes of one job."""
-  ports = ":".join(str(portpicker.pick_unused_port()) for _ in range(workers))
+  ports = worker_pair.ports(workers)
   before = ns.tx_bytes()
-  procs, logs = [], []
-  try:
-    for i in range(workers):
-      # stderr to a file: a full pipe would block a worker in a collective.
-      logs.append(tempfile.TemporaryFile())
-      procs.append(subprocess.Popen(
-          ["ip", "netns", "exec", ns.name, sys.executable, "-m",
-           "tools.bench_shard_wire", f"--floats={floats}",
-           f"--worker={i},{mode},{exchanges},{ports}"],
-          stdout=subprocess.DEVNULL, stderr=logs[-1],
-          text=True))
-    for proc in procs:
-      proc.wait(timeout=600)
-      if proc.returncode:
-        log = logs[procs.index(proc)]
-        log.seek(0)
-        raise RuntimeError(f"a worker exited {proc.returncode}:\n"
-                           f"{log.read()[-2000:].decode(errors='replace')}")
-  finally:
-    for proc in procs:  # The others, blocked in a collective, go too.
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    for log in logs:
-      log.close()
+  worker_pair.run("tools.bench_shard_wire", [
+      f"{i},{mode},{exchanges},{ports}" for i in range(workers)],
+                  args=[f"--floats={floats}"],
+                  prefix=["ip", "netns", "exec", ns.name], timeout=600)
   return ns.tx_bytes() - before
 
 

@@ -1,10 +1,12 @@
 """The worker processes of one MultiWorkerMirrored job on loopback, for
-the labs: each runs `python -m MODULE --worker=SPEC`, and sets its own
+the labs and benchmarks: each runs `python -m MODULE [ARGS] --worker=SPEC`
+(behind a `prefix` such as `ip netns exec NS`), and sets its own
 TF_CONFIG from the spec (ports from portpicker)."""
 
 import subprocess
 import sys
 import tempfile
+import time
 
 import portpicker
 
@@ -14,31 +16,46 @@ def ports(count=2):
   return ":".join(str(portpicker.pick_unused_port()) for _ in range(count))
 
 
-def run(module, specs, timeout=900):
-  """Runs one `python -m module --worker=spec` per spec, together; returns
-  their stdouts. Each worker's stderr goes to a file (a full pipe would
-  block it inside a collective); when one fails its stderr's tail is
-  raised, and workers still running are killed."""
+def run(module, specs, *, args=(), prefix=(), timeout=900, grace=10):
+  """Runs one worker per spec, together; returns their stdouts. Each
+  worker's stderr goes to a file (a full pipe would block it inside a
+  collective). When one fails, the others (left waiting in a collective)
+  are killed `grace` seconds later and its stderr's tail is raised;
+  past `timeout` all are killed."""
   procs, logs = [], []
   try:
     for spec in specs:
       logs.append(tempfile.TemporaryFile())
       procs.append(subprocess.Popen(
-          [sys.executable, "-m", module, f"--worker={spec}"],
+          [*prefix, sys.executable, "-m", module, *args, f"--worker={spec}"],
           stdout=subprocess.PIPE, stderr=logs[-1], text=True))
-    outs = []
-    for proc, log in zip(procs, logs):
-      out, _ = proc.communicate(timeout=timeout)
-      if proc.returncode:
-        log.seek(0)
-        raise RuntimeError(f"a worker exited {proc.returncode}:\n"
-                           f"{log.read()[-2000:].decode(errors='replace')}")
-      outs.append(out)
-    return outs
+    _wait(procs, logs, timeout, grace)
+    return [proc.stdout.read() for proc in procs]
   finally:
     for proc in procs:
       if proc.poll() is None:
         proc.kill()
         proc.wait()
+      proc.stdout.close()
     for log in logs:
       log.close()
+
+
+def _wait(procs, logs, timeout, grace):
+  """Waits for every worker; raises with the first failure's stderr.
+  (Workers print a line or two: their stdout pipes cannot fill.)"""
+  deadline = time.monotonic() + timeout
+  while any(proc.poll() is None for proc in procs):
+    failed = [p for p in procs if p.poll() not in (None, 0)]
+    if failed:
+      deadline = min(deadline, time.monotonic() + grace)
+    if time.monotonic() > deadline:
+      break
+    time.sleep(0.1)
+  for proc, log in zip(procs, logs):
+    if proc.poll() not in (None, 0):
+      log.seek(0)
+      raise RuntimeError(f"a worker exited {proc.returncode}:\n"
+                         f"{log.read()[-2000:].decode(errors='replace')}")
+  if any(proc.poll() is None for proc in procs):
+    raise RuntimeError(f"the workers ran past {timeout} s")
