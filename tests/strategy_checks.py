@@ -218,11 +218,13 @@ def check_sharded(strategy, name, clip, bucket_elements):
 
 
 def _layered_model():
-  """A layer called twice; BatchNorm statistics; integer inputs to an
-  embedding; a layer given one tensor as two arguments, with two outputs;
-  and a block whose dropout and BatchNorm inherit `training` from the
-  model's call (its own call takes none): the backward's second run of
-  each unit must see what the forward saw (mask, batch statistics)."""
+  """A layer called twice; a nested model (its layers are units);
+  BatchNorm statistics; integer inputs to an embedding; a layer given one
+  tensor as two arguments, with two outputs; and a block whose dropout
+  and BatchNorm inherit `training` from the model's call (its own call
+  takes none), followed by a layer called with training=False: the
+  backward's second run of each unit must see what the forward saw
+  (mask, batch statistics)."""
   import keras  # pylint: disable=g-import-not-at-top
 
   class Block(keras.layers.Layer):
@@ -245,6 +247,14 @@ def _layered_model():
       h = self.dense(a)
       return h * keras.ops.tanh(b), h
 
+  class Tail(keras.layers.Layer):
+    def __init__(self):
+      super().__init__()
+      self.dropout = keras.layers.Dropout(0.5)
+
+    def call(self, x):
+      return self.dropout(x, training=False)
+
   class ToIds(keras.layers.Layer):
     def call(self, x):
       return keras.ops.cast(keras.ops.abs(x[:, :2]) * 3, "int32") % 5
@@ -254,10 +264,18 @@ def _layered_model():
   embedded = keras.layers.Flatten()(
       keras.layers.Embedding(5, 4)(ToIds()(inputs)))
   shared = keras.layers.Dense(8, activation="tanh")
-  hidden = keras.layers.BatchNormalization()(shared(shared(inputs)))
+  # No bias before BatchNorm: its gradient is rounding noise, which Adam
+  # scales up to a step.
+  backbone = keras.Sequential([keras.Input((8,)),
+                               keras.layers.Dense(8, use_bias=False),
+                               keras.layers.BatchNormalization()])
+  hidden = backbone(shared(shared(inputs)))
   gated, plain = Gate()(hidden, hidden)
   hidden = keras.layers.Concatenate()([gated, plain, embedded])
-  return keras.Model(inputs, Block()(hidden))
+  # After the block, a layer that calls another with its own `training`:
+  # Keras sets it on the call context the block's layers inherited from.
+  # (A functional model passes its own `training` to its layers.)
+  return keras.Model(inputs, Tail()(Block()(hidden)))
 
 
 def _per_replica(strategy, x, y):

@@ -111,11 +111,43 @@ def test_keras_keeps_its_call_context_and_autocast_scope_as_read():
   assert keras_context.capture().call_context is None, VERSIONS
   with keras_context.entered(plain):
     dropped = keras.layers.Dropout(0.9, seed=1)(tf.ones([1, 1000]))
-  assert float(tf.reduce_sum(dropped)) != 1000.0, VERSIONS  # Inherited.
+    assert getattr(keras_context.capture().autocast, "dtype", None) is None, (
+        VERSIONS)
+  assert float(tf.reduce_min(dropped)) == 0.0, VERSIONS  # Inherited.
   assert keras_context.capture().call_context is None, VERSIONS
   with keras_context.entered(mixed):
-    cast = keras.layers.Dense(2, dtype="mixed_float16")
-    assert cast(tf.ones([1, 2])).dtype == tf.float16, VERSIONS
+    assert keras_context.capture().autocast.dtype == "float16", VERSIONS
+
+  class Later(keras.layers.Layer):
+    """Calls a layer with its own `training` after the probe's call."""
+    def __init__(self):
+      super().__init__()
+      self.probe, self.dropout = Probe(), keras.layers.Dropout(0.5)
+
+    def call(self, x, training=False):
+      return self.dropout(self.probe(x), training=False)
+
+  Later()(tf.ones([1, 2]), training=True)
+  # Keras set training=False on its context for the dropout's call; the
+  # context kept is as the probe's call saw it.
+  assert seen[-1].call_context.training is True, VERSIONS
+
+
+def test_a_stateless_scope_keeps_assignments_and_losses_as_read():
+  """tfdist.keras_context counts a StatelessScope's entries (one per
+  variable mapped or assigned) and sharded_params reads its losses."""
+  from tfdist import keras_context  # pylint: disable=g-import-not-at-top
+  mapped, other = keras.Variable(1.0), keras.Variable(2.0)
+  scope = keras_context.stateless([(mapped, tf.constant(3.0))])
+  with scope:
+    mapped.assign(4.0)
+    assert keras_context.assigned_count(scope) == 1, VERSIONS
+    other.assign(5.0)
+    scope.add_loss(tf.constant(1.0))
+  assert keras_context.assigned_count(scope) == 2, VERSIONS
+  assert len(scope.losses) == 1, VERSIONS
+  assert float(scope.get_current_value(mapped)) == 4.0, VERSIONS
+  assert float(other.numpy()) == 2.0, VERSIONS
 
 
 def test_a_constant_rate_is_the_optimizers_learning_rate_variable():

@@ -20,6 +20,29 @@ def _sgd():
   return keras.optimizers.SGD(0.1)
 
 
+def _sharded(make_model, **kwargs):
+  strategy = _strategy()
+  with strategy.scope():
+    model = make_model()
+  return strategy, model, sharded_params.ShardedParams(
+      strategy=strategy, model=model, make_optimizer=_sgd, **kwargs)
+
+
+def _step(strategy, model, sharded):
+  """A traced step: the replicas' summed loss, the shards updated."""
+  @tf.function
+  def step(x):
+    def replica_fn(x):
+      with tf.GradientTape() as tape:
+        with sharded.gathering():
+          loss = tf.reduce_sum(model(x, training=True))
+      sharded.apply(tape.gradient(loss, sharded.variables()))
+      return loss
+    return strategy.reduce("SUM", strategy.run(replica_fn, args=(x,)),
+                           axis=None)
+  return step
+
+
 def test_each_layer_with_weights_is_a_unit():
   model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
                             keras.layers.Dropout(0.1),
@@ -106,3 +129,99 @@ def test_it_is_built_outside_the_strategys_scope():
     with pytest.raises(RuntimeError, match="outside"):
       sharded_params.ShardedParams(strategy=strategy, model=model,
                                    make_optimizer=_sgd)
+
+
+def test_the_layers_of_a_nested_model_are_units_each_once():
+  inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                            keras.layers.Dense(4)])
+  inputs = keras.Input((4,))
+  model = keras.Model(inputs, keras.layers.Dense(2)(inner(inner(inputs))))
+  assert [u.layer for u in sharded_params.plan_units(model)] == [
+      *inner.layers, model.layers[-1]]
+
+
+def test_a_model_without_weights_is_refused():
+  with pytest.raises(ConfigError, match="no trainable weights"):
+    sharded_params.plan_units(keras.Sequential([keras.layers.Dense(2)]))
+
+
+def test_a_weight_constraint_is_refused():
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(
+      2, kernel_constraint="non_neg")])
+  with pytest.raises(ConfigError, match="constraint.*kernel"):
+    sharded_params.plan_units(model)
+
+
+class _AddsLoss(keras.layers.Layer):
+  def build(self, shape):
+    self.kernel = self.add_weight(shape=(shape[-1], 2))
+
+  def call(self, x):
+    self.add_loss(tf.reduce_sum(self.kernel))
+    return tf.matmul(x, self.kernel)
+
+
+class _AssignsOutside(keras.layers.Layer):
+  """Counts its calls in a variable it does not own (reached through a
+  function, which Keras does not track)."""
+
+  def __init__(self, counter):
+    super().__init__()
+    self.count = lambda: counter.assign_add(1.0)
+
+  def build(self, shape):
+    self.kernel = self.add_weight(shape=(shape[-1], 2))
+
+  def call(self, x):
+    self.count()
+    return tf.matmul(x, self.kernel)
+
+
+class _AssignsItsWeight(_AddsLoss):
+  def call(self, x):
+    self.kernel.assign(self.kernel * 0.5)
+    return tf.matmul(x, self.kernel)
+
+
+@pytest.mark.parametrize("make_layer,match", [
+    (_AddsLoss, "adds a loss"),
+    (lambda: _AssignsOutside(keras.Variable(0.0, trainable=False)),
+     "does not own"),
+    (_AssignsItsWeight, "its own trainable weights")])
+def test_what_the_scope_would_lose_is_refused(make_layer, match):
+  strategy, model, sharded = _sharded(lambda: keras.Sequential(
+      [keras.Input((3,)), make_layer()]))
+  # Raised while the step is traced: autograph and Keras wrap it.
+  with pytest.raises(Exception, match=f"(?s)ConfigError.*{match}"):
+    _step(strategy, model, sharded)(tf.ones([4, 3]))
+
+
+def test_gathering_nests_and_keeps_a_call_of_the_users_own():
+  strategy, model, sharded = _sharded(lambda: keras.Sequential(
+      [keras.Input((3,)), keras.layers.Dense(2)]))
+  layer = model.layers[0]
+  own = layer.call
+  object.__setattr__(layer, "call", own)
+  with sharded.gathering():
+    patched = layer.call
+    with sharded.gathering():
+      assert layer.call is patched
+    assert layer.call is patched
+  assert vars(layer)["call"] is own
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_step_traced_again_for_another_batch(prefetch):
+  """A second trace (a shorter batch), with or without prefetch, gives
+  the unsharded sums (TF turns a tensor of another trace into a capture
+  rather than failing, so this does not show that none is taken)."""
+  strategy, model, sharded = _sharded(lambda: keras.Sequential(
+      [keras.Input((3,)), keras.layers.Dense(
+          2, kernel_initializer="ones", bias_initializer="zeros")]),
+                                      prefetch=prefetch)
+  step = _step(strategy, model, sharded)
+  # Each of the 2 replicas: rows x 2 outputs x 3 (the kernel all ones).
+  assert float(step(tf.ones([4, 3]))) == 2 * 4 * 2 * 3
+  # The summed gradients were 2 x 4 for each weight: kernel 1 - 0.1 x 8,
+  # bias -0.8; each output 3 x 0.2 - 0.8 on 2 rows, 2 outputs, 2 replicas.
+  assert float(step(tf.ones([2, 3]))) == pytest.approx(2 * 2 * 2 * -0.2)

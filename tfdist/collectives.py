@@ -19,24 +19,37 @@ Shards follow the collective group's ranks, which need not be the replica
 ids: `rank()` says which shard this replica holds.
 """
 
+import itertools
 import math
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops
+from tensorflow.python.distribute import cross_device_utils
 from tensorflow.python.ops import collective_ops
 
 from tfdist.errors import ConfigError
 
 
+# TF's collective keys are process-wide, and every strategy numbers its
+# groups from 1 and its instances from 100: a second strategy over the
+# same devices would run its collectives as the first one's (a shape
+# mismatch, or a hang). Each strategy made here numbers its groups from a
+# start of its own, away from TF's default ones.
+_GROUP_KEY_STARTS = itertools.count(1_000_000, 1_000)
+
+
 def mirrored_with_collectives(devices):
   """A MirroredStrategy over `devices` whose cross-device ops are TF's
   collectives (as MultiWorkerMirroredStrategy's are), so ShardCollectives
-  can run on it."""
+  can run on it. Several can live in one process."""
   devices = [tf.DeviceSpec.from_string(d).to_string() for d in devices]
+  keys = cross_device_utils.CollectiveKeys(
+      group_key_start=next(_GROUP_KEY_STARTS))
   return tf.distribute.MirroredStrategy(
       devices, cross_device_ops=cross_device_ops.CollectiveAllReduce(
           devices=devices, group_size=len(devices),
-          options=tf.distribute.experimental.CommunicationOptions()))
+          options=tf.distribute.experimental.CommunicationOptions(),
+          collective_keys=keys))
 
 
 # Elements of the flat buffer one reduce-scatter or all-gather carries:

@@ -54,14 +54,22 @@ class _Unit:
     self.layout = flat_layout.FlatLayout([v.shape for v in self.weights])
 
 
-def _unit_layers(model):
-  """The layers of model.layers with trainable weights, and in place of
-  a model nested in it, its own (so that a backbone is not one unit)."""
+def _unit_layers(model, seen=None):
+  """The layers of model.layers with trainable weights, each once, and in
+  place of a model nested in it, its own layers (so that a backbone is
+  not one unit), unless it owns a weight outside them."""
   import keras  # pylint: disable=g-import-not-at-top
+  seen = set() if seen is None else seen
   for layer in model.layers:
-    if isinstance(layer, keras.Model):
-      yield from _unit_layers(layer)
-    elif layer.trainable_weights:
+    if id(layer) in seen or not layer.trainable_weights:
+      continue
+    seen.add(id(layer))
+    inner = {id(v) for sub in getattr(layer, "layers", ())
+             for v in sub.trainable_weights}
+    if isinstance(layer, keras.Model) and all(
+        id(v) in inner for v in layer.trainable_weights):
+      yield from _unit_layers(layer, seen)
+    else:
       yield layer
 
 
@@ -239,10 +247,6 @@ class ShardedParams:
     """Unit `u`'s call as one custom-gradient function of its input
     tensors and this replica's shard."""
     local = self._local()
-    # Per traced function and local replica (the replicas are traced on
-    # threads of their own): the inputs of the unit called last, and the
-    # reduce-scatter traced last in the backward.
-    key = (tf.compat.v1.get_default_graph(), local)
     shard = self.shards[local][u].read_value()
     count = len(call.inputs)
 
@@ -256,20 +260,35 @@ class ShardedParams:
       def grad_fn(*upstream):
         upstream = [tf.zeros_like(o) if g is None else g
                     for o, g in zip(outputs, upstream)]
-        after = [] if self._prefetch else self._previous_reduced.get(key, [])
+        after = [] if self._prefetch else _last(self._previous_reduced,
+                                                 local)
         with tf.control_dependencies(upstream + after):
           weights = self._gather(u, tf.identity(shard))
         input_grads, weight_grads = call.gradients(inputs, weights, upstream)
         reduced = self._reduce_scatter(u, weight_grads)
-        self._previous_reduced[key] = [reduced]
+        _keep(self._previous_reduced, local, [reduced])
         return input_grads + [reduced]
 
       return outputs, grad_fn
 
-    with tf.control_dependencies(self._previous_inputs.get(key, [])):
+    with tf.control_dependencies(_last(self._previous_inputs, local)):
       results = unit_fn(*call.inputs, shard)
-    self._previous_inputs[key] = call.inputs
+    _keep(self._previous_inputs, local, call.inputs)
     return call.finish(results)
+
+
+# Per local replica (the replicas are traced on threads of their own):
+# the tensors traced last, with their graph, so that another trace (or
+# the gradient graph of a loop) does not take another graph's tensors.
+
+
+def _last(kept, local):
+  graph, tensors = kept.get(local, (None, []))
+  return tensors if graph is tf.compat.v1.get_default_graph() else []
+
+
+def _keep(kept, local, tensors):
+  kept[local] = (tf.compat.v1.get_default_graph(), tensors)
 
 
 class _UnitCall:
@@ -307,30 +326,37 @@ class _UnitCall:
     mapping = list(zip(self.unit.weights, weights)) + list(
         zip(self.unit.states, self._states))
     scope = keras_context.stateless(mapping)
-    before = dict(scope.state_mapping)
+    owned = self.unit.weights + self.unit.states
+    before = [scope.get_current_value(v) for v in owned]
     with (keras_context.entered(self._context) if replay
           else contextlib.nullcontext()), scope:
       outputs = self._original(*args, **kwargs)
     if not replay:
       self._outputs = outputs
-      self._updates = self._check_updates(scope, before)
+      self._updates = self._check_updates(scope, owned, before)
     return tf.nest.flatten(outputs)
 
-  def _check_updates(self, scope, before):
+  def _check_updates(self, scope, owned, before):
     """The states' new values; ConfigError for what the scope would lose:
-    an assignment to a variable the unit does not own, or a loss."""
+    a loss added by a layer inside the unit, an assignment to the unit's
+    trainable weights or to a variable it does not own."""
     layer = self.unit.layer.name
     if scope.losses:
-      raise ConfigError(f"sharded weights: layer {layer} adds a loss in "
-                        "its call (add_loss or an activity regularizer).")
-    unknown = set(scope.state_mapping) - set(before)
-    if unknown:
+      raise ConfigError(f"sharded weights: layer {layer} (or a layer "
+                        "inside it) adds a loss in its call (add_loss, or "
+                        "an inner layer's activity regularizer).")
+    after = [scope.get_current_value(v) for v in owned]
+    weights = len(self.unit.weights)
+    if any(a is not b for a, b in zip(after[:weights], before[:weights])):
+      raise ConfigError(f"sharded weights: layer {layer} assigns its own "
+                        "trainable weights in its call.")
+    if keras_context.assigned_count(scope) > len(owned):
       raise ConfigError(
           f"sharded weights: layer {layer} assigns a variable it does not "
           "own (a layer's state outside it, or an unseeded keras.random "
           "draw).")
-    return [(v, scope.state_mapping[id(v)]) for v in self.unit.states
-            if scope.state_mapping[id(v)] is not before[id(v)]]
+    return [(v, a) for v, a, b in zip(owned[weights:], after[weights:],
+                                      before[weights:]) if a is not b]
 
   def gradients(self, inputs, weights, upstream):
     """The gradients of the inputs (None for the non-float ones) and of

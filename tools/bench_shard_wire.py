@@ -21,8 +21,6 @@ buffer. Needs root and iproute2.
 """
 
 import argparse
-import json
-import os
 import statistics
 import sys
 
@@ -52,9 +50,7 @@ def parse_args(argv):
 def worker(spec, floats):
   """One worker process: `exchanges` exchanges of the buffer."""
   index, mode, exchanges, ports = spec.split(",", 3)
-  os.environ["TF_CONFIG"] = json.dumps({
-      "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports.split(":")]},
-      "task": {"type": "worker", "index": int(index)}})
+  worker_pair.set_tf_config(index, ports)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist import collectives  # pylint: disable=g-import-not-at-top
   from tfdist import flat_layout  # pylint: disable=g-import-not-at-top

@@ -23,8 +23,6 @@ memory in use, not malloc's free lists.
 """
 
 import argparse
-import json
-import os
 import sys
 
 from . import worker_pair
@@ -78,9 +76,7 @@ def worker(spec):
   """One worker: prints its RSS growth after the last call (one local
   replica, as the lab starts it)."""
   index, mode, packs, mib, calls, ports = spec.split(",", 5)
-  os.environ["TF_CONFIG"] = json.dumps({
-      "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports.split(":")]},
-      "task": {"type": "worker", "index": int(index)}})
+  worker_pair.set_tf_config(index, ports)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   strategy = tf.distribute.MultiWorkerMirroredStrategy()
   packs, workers = int(packs), len(ports.split(":"))

@@ -26,8 +26,6 @@ steps after the first (the highest process's).
 """
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -113,9 +111,7 @@ def worker(spec):
   index, mode, width, steps, batch, ports = spec.split(",", 5)
   width, steps, batch = int(width), int(steps), int(batch)
   if mode != "default":
-    os.environ["TF_CONFIG"] = json.dumps({
-        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports.split(":")]},
-        "task": {"type": "worker", "index": int(index)}})
+    worker_pair.set_tf_config(index, ports)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   strategy = (None if mode == "default"
               else tf.distribute.MultiWorkerMirroredStrategy())

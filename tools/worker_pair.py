@@ -3,6 +3,8 @@ the labs and benchmarks: each runs `python -m MODULE [ARGS] --worker=SPEC`
 (behind a `prefix` such as `ip netns exec NS`), and sets its own
 TF_CONFIG from the spec (ports from portpicker)."""
 
+import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -14,6 +16,15 @@ import portpicker
 def ports(count=2):
   """`count` free loopback ports, joined by ':' for a worker spec."""
   return ":".join(str(portpicker.pick_unused_port()) for _ in range(count))
+
+
+def set_tf_config(index, joined_ports):
+  """This worker's TF_CONFIG: worker `index` of the loopback workers on
+  `joined_ports` (as ports() gives them). Before TF starts."""
+  os.environ["TF_CONFIG"] = json.dumps({
+      "cluster": {"worker": [f"127.0.0.1:{p}"
+                             for p in joined_ports.split(":")]},
+      "task": {"type": "worker", "index": int(index)}})
 
 
 def run(module, specs, *, args=(), prefix=(), timeout=900, grace=10):
