@@ -22,6 +22,7 @@ ids: `rank()` says which shard this replica holds.
 import itertools
 import math
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops
 from tensorflow.python.distribute import cross_device_utils
@@ -56,6 +57,14 @@ def mirrored_with_collectives(devices):
 # 32 MiB of float32. Buckets run one after another, so the step holds the
 # buffers of one bucket, not of the whole model.
 BUCKET_ELEMENTS = 8 * 2**20
+
+
+def check_outside_scope(owner):
+  """Per-device shards are made outside the strategy's scope (inside it,
+  a variable would be mirrored): RuntimeError naming `owner` otherwise."""
+  if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
+    raise RuntimeError(f"{owner} must be built outside the strategy's "
+                       "scope: its shards are per device.")
 
 
 def local_replica(count):
@@ -156,6 +165,13 @@ class ShardCollectives:
     buckets = self.gathered_buckets(shard)
     whole = buckets[0] if len(buckets) == 1 else tf.concat(buckets, axis=0)
     return whole[:self.length]
+
+  def numpy_shard(self, flat, rank):
+    """Shard `rank` of the flat numpy vector `flat` (of `length`
+    elements): its pieces of each bucket, zeros past the end."""
+    flat = np.pad(flat, [0, self.num_buckets * self.bucket - flat.size])
+    return np.concatenate([flat[start:end]
+                           for start, end in self.owned(rank)])
 
   def local_ranks(self, strategy):
     """The shard each of this worker's replicas holds, in the order of

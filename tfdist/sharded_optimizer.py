@@ -114,9 +114,7 @@ class ShardedUpdate:
 
   def __init__(self, *, strategy, variables, make_optimizer, clip_norm=0.0,
                optimizer=None, bucket_elements=collectives.BUCKET_ELEMENTS):
-    if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
-      raise RuntimeError("ShardedUpdate must be built outside the "
-                         "strategy's scope: its shards are per device.")
+    collectives.check_outside_scope("ShardedUpdate")
     self._strategy = strategy
     self._variables = list(variables)
     self._layout = flat_layout.FlatLayout([v.shape for v in self._variables])
@@ -339,12 +337,9 @@ class ShardedUpdate:
       for k in range(count):
         flat = self._layout.flatten_numpy(
             [self.restored[(v, k)] for v in range(len(self._variables))])
-        flat = np.pad(flat, [0, self._collectives.num_buckets *
-                             self._collectives.bucket - flat.size])
         for rank, optimizer in zip(self._ranks, self.optimizers):
-          slots(optimizer)[k].assign(np.concatenate([
-              flat[start:end]
-              for start, end in self._collectives.owned(rank)]))
+          slots(optimizer)[k].assign(
+              self._collectives.numpy_shard(flat, rank))
       self.restored = {}
     if self._optimizer is not None:
       for optimizer in self.optimizers:

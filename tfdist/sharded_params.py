@@ -32,7 +32,6 @@ is refused.
 import contextlib
 import threading
 
-import numpy as np
 import tensorflow as tf
 
 from tfdist import collectives
@@ -120,9 +119,7 @@ class ShardedParams:
 
   def __init__(self, *, strategy, model, make_optimizer, optimizer=None,
                prefetch=True, release_model_weights=True):
-    if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
-      raise RuntimeError("ShardedParams must be built outside the "
-                         "strategy's scope: its shards are per device.")
+    collectives.check_outside_scope("ShardedParams")
     self._strategy = strategy
     self.units = plan_units(model)
     self._collectives = [collectives.ShardCollectives(
@@ -151,12 +148,10 @@ class ShardedParams:
     get_weights() gets empty arrays)."""
     unit, shards = self.units[u], self._collectives[u]
     flat = unit.layout.flatten_numpy([v.numpy() for v in unit.weights])
-    flat = np.pad(flat, [0, shards.bucket - flat.size])
     for local, (device, rank) in enumerate(zip(devices, self._ranks)):
-      (start, end), = shards.owned(rank)
       with tf.device(device):
-        self.shards[local].append(
-            tf.Variable(flat[start:end], name=f"unit_shard_{u}"))
+        self.shards[local].append(tf.Variable(
+            shards.numpy_shard(flat, rank), name=f"unit_shard_{u}"))
     if release:
       for variable in unit.weights:
         with tf.init_scope():
@@ -199,9 +194,8 @@ class ShardedParams:
 
   def _gather(self, u, shard):
     """Unit `u`'s weights, whole, from every replica's `shard` of it."""
-    unit, shards = self.units[u], self._collectives[u]
-    flat = shards.gather_bucket(shard, 0)[:unit.layout.size]
-    return unit.layout.unflatten(flat)
+    return self.units[u].layout.unflatten(
+        self._collectives[u].all_gather(shard))
 
   def _reduce_scatter(self, u, grads):
     unit, shards = self.units[u], self._collectives[u]
@@ -263,7 +257,7 @@ class ShardedParams:
         after = [] if self._prefetch else _last(self._previous_reduced,
                                                  local)
         with tf.control_dependencies(upstream + after):
-          weights = self._gather(u, tf.identity(shard))
+          weights = self._gather(u, shard)
         input_grads, weight_grads = call.gradients(inputs, weights, upstream)
         reduced = self._reduce_scatter(u, weight_grads)
         _keep(self._previous_reduced, local, [reduced])
@@ -326,15 +320,15 @@ class _UnitCall:
     mapping = list(zip(self.unit.weights, weights)) + list(
         zip(self.unit.states, self._states))
     scope = keras_context.stateless(mapping)
+    if replay:
+      with keras_context.entered(self._context), scope:
+        return tf.nest.flatten(self._original(*args, **kwargs))
     owned = self.unit.weights + self.unit.states
     before = [scope.get_current_value(v) for v in owned]
-    with (keras_context.entered(self._context) if replay
-          else contextlib.nullcontext()), scope:
-      outputs = self._original(*args, **kwargs)
-    if not replay:
-      self._outputs = outputs
-      self._updates = self._check_updates(scope, owned, before)
-    return tf.nest.flatten(outputs)
+    with scope:
+      self._outputs = self._original(*args, **kwargs)
+    self._updates = self._check_updates(scope, owned, before)
+    return tf.nest.flatten(self._outputs)
 
   def _check_updates(self, scope, owned, before):
     """The states' new values; ConfigError for what the scope would lose:

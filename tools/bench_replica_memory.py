@@ -35,13 +35,18 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDTH, DEPTH = 2900, 12
 
 
-def mlp_100m():
-  """The user's model: 12 dense layers of 2,900 units (92.8M weights)."""
+def mlp(width, name):
+  """DEPTH dense layers of `width` units on 8x8 digits, then 10 logits."""
   import keras
   return keras.Sequential(
       [keras.Input((8, 8, 1)), keras.layers.Flatten()]
-      + [keras.layers.Dense(WIDTH, activation="relu") for _ in range(DEPTH)]
-      + [keras.layers.Dense(10)], name="mlp_100m")
+      + [keras.layers.Dense(width, activation="relu") for _ in range(DEPTH)]
+      + [keras.layers.Dense(10)], name=name)
+
+
+def mlp_100m():
+  """The user's model: 12 dense layers of 2,900 units (92.8M weights)."""
+  return mlp(WIDTH, "mlp_100m")
 
 
 def mlp_tiny():
@@ -51,8 +56,8 @@ def mlp_tiny():
                            keras.layers.Dense(10)], name="mlp_tiny")
 
 
-def _rss(pid, field):
-  """VmHWM or VmRSS of `pid` in MB, or None once it is gone."""
+def status_mb(pid, field):
+  """VmHWM or VmRSS of `pid` (or "self") in MB, or None once it is gone."""
   try:
     with open(f"/proc/{pid}/status") as status:
       for line in status:
@@ -77,13 +82,13 @@ class _Watch:
     self._pids[name] = pid
 
   def line(self, text):
-    rss = {name: _rss(pid, "VmRSS") for name, pid in self._pids.items()}
+    rss = {name: status_mb(pid, "VmRSS") for name, pid in self._pids.items()}
     self.timeline.append((rss, text.rstrip()[:100]))
 
   def _poll(self):
     while not self._done:
       for name, pid in list(self._pids.items()):
-        peak = _rss(pid, "VmHWM")
+        peak = status_mb(pid, "VmHWM")
         if peak is not None:
           self.peaks[name] = max(self.peaks.get(name, 0), peak)
       time.sleep(0.1)

@@ -25,17 +25,10 @@ memory in use, not malloc's free lists.
 import argparse
 import sys
 
+from . import bench_replica_memory
 from . import worker_pair
 
 _MODES = ("unrolled", "unrolled_constants", "one_instance")
-
-
-def _rss_mb():
-  with open("/proc/self/status") as status:
-    for line in status:
-      if line.startswith("VmRSS:"):
-        return int(line.split()[1]) / 1024
-  return 0.0
 
 
 def _step(tf, strategy, mode, packs, length):
@@ -81,16 +74,17 @@ def worker(spec):
   strategy = tf.distribute.MultiWorkerMirroredStrategy()
   packs, workers = int(packs), len(ports.split(":"))
   step = _step(tf, strategy, mode, packs, (int(mib) << 20) // 4)
-  before = _rss_mb()
+  before = bench_replica_memory.status_mb("self", "VmRSS")
   for _ in range(int(calls)):
     total = float(step(tf.constant(1.0)))
   expected = workers * packs * (packs + 1) / 2
   if total != expected:
     raise AssertionError(f"the all-reduces summed to {total}, not {expected}")
-  grown = _rss_mb() - before
+  grown = bench_replica_memory.status_mb("self", "VmRSS") - before
   import ctypes  # pylint: disable=g-import-not-at-top
   ctypes.CDLL("libc.so.6").malloc_trim(0)
-  print(f"growth {grown:.0f} {_rss_mb() - before:.0f}", flush=True)
+  trimmed = bench_replica_memory.status_mb("self", "VmRSS") - before
+  print(f"growth {grown:.0f} {trimmed:.0f}", flush=True)
 
 
 def _job(mode, packs, mib, calls):

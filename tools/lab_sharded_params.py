@@ -30,26 +30,12 @@ import statistics
 import sys
 import time
 
+from . import bench_replica_memory
 from . import worker_pair
 
 _MODES = ("default", "mwms", "zero1", "params", "params_serial",
           "params_kept")
 _TINY = 16
-
-
-def _peak_mb():
-  with open("/proc/self/status") as status:
-    for line in status:
-      if line.startswith("VmHWM:"):
-        return int(line.split()[1]) / 1024
-  return 0.0
-
-
-def _model(keras, width, depth=12):
-  return keras.Sequential(
-      [keras.Input((8, 8, 1)), keras.layers.Flatten()]
-      + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
-      + [keras.layers.Dense(10)])
 
 
 def _default_step(tf, model, optimizer, loss_fn):
@@ -120,13 +106,13 @@ def worker(spec):
   x = tf.random.normal([batch, 8, 8, 1])
   y = tf.random.uniform([batch], 0, 10, tf.int32)
   if strategy is None:
-    model = _model(keras, width)
+    model = bench_replica_memory.mlp(width, f"mlp_{width}")
     step = _default_step(
         tf, model, keras.optimizers.Adam(1e-4),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   else:
     with strategy.scope():
-      model = _model(keras, width)
+      model = bench_replica_memory.mlp(width, f"mlp_{width}")
     step = _distributed_step(tf, keras, strategy, model, batch, mode)
   times = []
   for _ in range(steps):
@@ -138,7 +124,8 @@ def worker(spec):
   if not loss == loss:  # NaN
     raise AssertionError(f"the loss is {loss}")
   median = statistics.median(times[1:]) * 1000 if steps > 1 else 0.0
-  print(f"peak {_peak_mb():.0f} {median:.1f}", flush=True)
+  peak = bench_replica_memory.status_mb("self", "VmHWM")
+  print(f"peak {peak:.0f} {median:.1f}", flush=True)
 
 
 def _peak(mode, width, steps, batch, workers):
