@@ -285,7 +285,8 @@ def _per_replica(strategy, x, y):
                  y[c.replica_id_in_sync_group * share:][:share]))
 
 
-def _train_params(strategy, make_model, make_optimizer, prefetch=True):
+def _train_params(strategy, make_model, make_optimizer, prefetch=True,
+                  reshard=True):
   """Sharded weights, released once sharded; the sharded state."""
   from tfdist import sharded_params  # pylint: disable=g-import-not-at-top
   features, labels = _batches()
@@ -294,7 +295,7 @@ def _train_params(strategy, make_model, make_optimizer, prefetch=True):
     model = make_model()
   sharded = sharded_params.ShardedParams(
       strategy=strategy, model=model, make_optimizer=make_optimizer,
-      prefetch=prefetch)
+      prefetch=prefetch, reshard=reshard)
 
   @tf.function
   def step(x, y):
@@ -345,6 +346,7 @@ def check_params(strategy, name):
   """Fully sharded weights: a plain MLP gives one device's weights; a
   model with a shared layer, BatchNorm and dropout gives the unsharded
   run's weights and statistics on the same strategy."""
+  from tfdist import sharded_params  # pylint: disable=g-import-not-at-top
   make_optimizer = _optimizer_factory(name)
   reference, _ = _one_device(make_optimizer, 0.0)
   _, sharded = _train_params(strategy, _model, make_optimizer)
@@ -354,12 +356,15 @@ def check_params(strategy, name):
   local = sum(v.numpy().nbytes for v in (*sharded.shards[0],
                                          *sharded_slots(sharded)))
   plain = _train_plain(strategy, _layered_model, make_optimizer)
-  for prefetch in (True, False):
-    layered, layered_sharded = _train_params(strategy, _layered_model,
-                                             make_optimizer, prefetch)
+  # Prefetch on and off; the gathered weights dropped after the forward
+  # (gathered again for the backward) and kept.
+  for prefetch, reshard in ((True, True), (False, True), (True, False)):
+    layered, layered_sharded = _train_params(
+        strategy, _layered_model, make_optimizer, prefetch, reshard)
     got = [w for unit in layered_sharded.gathered_weights() for w in unit]
-    want = [v.numpy() for unit in layered_sharded.units for v in unit.weights]
-    assert not any(w.size for w in want), "the whole weights are released"
+    held = {id(v) for v in sharded_params.held_weights(layered)}
+    assert not held & {id(v) for v in layered.trainable_variables}, (
+        "the whole weights are released")
     # The two models are built alike: their weights match by position.
     place = {id(v): i for i, v in enumerate(layered.trainable_variables)}
     units = [v for unit in layered_sharded.units for v in unit.weights]
@@ -368,7 +373,7 @@ def check_params(strategy, name):
       np.testing.assert_allclose(
           have, plain.trainable_variables[place[id(variable)]].numpy(),
           rtol=1e-5, atol=1e-6,
-          err_msg=f"{variable.path}, prefetch {prefetch}")
+          err_msg=f"{variable.path}, prefetch {prefetch}, reshard {reshard}")
     for have, wanted in zip(layered.non_trainable_variables,
                             plain.non_trainable_variables, strict=True):
       np.testing.assert_allclose(have.numpy(), wanted.numpy(), rtol=1e-5,

@@ -61,12 +61,14 @@ def test_a_layer_runs_the_call_set_on_it_over_released_storage():
   StatelessScope, and frees a Keras variable's storage by replacing its
   `_value` (its shape must stay the layer's, and a read outside the
   scope must fail, not use stale values)."""
+  from tfdist import sharded_params  # pylint: disable=g-import-not-at-top
   layer = keras.layers.Dense(2)
   layer.build((None, 3))
   kernel, bias = layer.kernel, layer.bias
-  kernel._value = tf.Variable(tf.zeros([0]))  # pylint: disable=protected-access
+  kernel._value = sharded_params._ReleasedWeight(  # pylint: disable=protected-access
+      None, "kernel", kernel)
   assert tuple(kernel.shape) == (3, 2), VERSIONS
-  with pytest.raises((ValueError, tf.errors.InvalidArgumentError)):
+  with pytest.raises(Exception, match="sharded over the replicas"):
     layer(tf.ones([1, 3]))
   original, calls = layer.call, []
 
@@ -79,6 +81,40 @@ def test_a_layer_runs_the_call_set_on_it_over_released_storage():
   object.__setattr__(layer, "call", call)
   np.testing.assert_allclose(layer(tf.ones([1, 3])).numpy(), [[3.0, 3.0]])
   assert len(calls) == 1, VERSIONS
+
+
+def test_a_keras_variable_saves_and_restores_through_its_value(tmp_path):
+  """A released Keras variable's checkpoint entry is its `_value`'s
+  (Keras's TF Variable delegates _serialize_to_tensors and
+  _restore_from_tensors to it): tfdist.sharded_params saves a sharded
+  weight whole, and restores it into the shards, through that."""
+  from tfdist import sharded_params  # pylint: disable=g-import-not-at-top
+
+  class Owner:
+    def __init__(self, value):
+      self.value, self.restored = value, {}
+
+    def whole(self, key):
+      del key
+      return self.value
+
+  layer = keras.layers.Dense(2)
+  layer.build((None, 3))
+  path = tf.train.Checkpoint(layer=layer).write(str(tmp_path / "plain"))
+  saving = Owner(tf.fill([3, 2], 7.0))
+  layer.kernel._value = sharded_params._ReleasedWeight(  # pylint: disable=protected-access
+      saving, "kernel", layer.kernel)
+  sharded = tf.train.Checkpoint(layer=layer).write(str(tmp_path / "sharded"))
+  reader = tf.train.load_checkpoint(sharded)
+  assert sorted(reader.get_variable_to_shape_map()) == sorted(
+      tf.train.load_checkpoint(path).get_variable_to_shape_map()), VERSIONS
+  [key] = [k for k in reader.get_variable_to_shape_map() if "kernel" in k]
+  np.testing.assert_array_equal(reader.get_tensor(key), 7.0)
+  restoring = Owner(tf.zeros([3, 2]))
+  layer.kernel._value = sharded_params._ReleasedWeight(  # pylint: disable=protected-access
+      restoring, "kernel", layer.kernel)
+  tf.train.Checkpoint(layer=layer).read(sharded).assert_consumed()
+  np.testing.assert_array_equal(restoring.restored["kernel"], 7.0)
 
 
 def test_keras_keeps_its_call_context_and_autocast_scope_as_read():
@@ -173,7 +209,7 @@ def test_keras_lays_out_slots_variable_after_variable(name):
   schedule = {"schedule": "constant", "warmup_steps": 0,
               "learning_rate": 0.1}
   make = lambda: optimizers.create(name, schedule=schedule)  # noqa: E731
-  sharded_optimizer._check_slot_layout(make)  # pylint: disable=protected-access
+  sharded_optimizer.check_slot_layout(make)  # pylint: disable=protected-access
   built = make()
   variable = keras.Variable(tf.zeros([3]), name="probe")
   built.build([variable])

@@ -1,11 +1,12 @@
-"""--shard_optimizer (ZeRO stage 1) through the CLI: real runs, compared
-through their checkpoints with the default strategy's run.
+"""--shard (--shard_optimizer, ZeRO stage 1; --shard=params, stage 3)
+through the CLI: real runs, compared through their checkpoints with the
+default strategy's run.
 
 A sharded run's checkpoint has the keys and values of an unsharded one:
 the weights and every optimizer slot, whole (rtol 1e-5). Each replica
-holds 1/N of the state (TensorBoard's optimizer_bytes/<device>), and a run
-resumes across replica counts, sharded or not, with the weights of the
-uninterrupted run.
+holds 1/N of the state (TensorBoard's optimizer_bytes/<device>; with
+params, variable_bytes/<device> too), and a run resumes across replica
+counts and sharding stages, with the weights of the uninterrupted run.
 """
 
 import re
@@ -71,14 +72,15 @@ def one_device(tmp_path_factory, data_dir):
   return run
 
 
-@pytest.mark.parametrize("replicas,optimizer", [(2, "adam"),
-                                                (4, "momentum")])
+@pytest.mark.parametrize("replicas,optimizer,shard", [
+    (2, "adam", "--shard_optimizer"), (4, "momentum", "--shard_optimizer"),
+    (2, "adam", "--shard=params"), (4, "momentum", "--shard=params")])
 def test_mirrored_sharded_run_keeps_one_devices_weights_and_slots(
-    tmp_path, data_dir, replicas, optimizer, one_device):
+    tmp_path, data_dir, replicas, optimizer, shard, one_device):
   one = one_device(optimizer)
   proc = _train(tmp_path / "sharded", data_dir, 20, *OPTIMIZERS[optimizer],
                 "--strategy=mirrored", f"--num_cpu_devices={replicas}",
-                "--shard_optimizer")
+                shard)
   _assert_same_checkpoint(tmp_path / "sharded", one)
   whole = _slot_bytes(one)
   for device in range(replicas):
@@ -87,50 +89,92 @@ def test_mirrored_sharded_run_keeps_one_devices_weights_and_slots(
     # 1/N of the slots (padding below N elements), plus the step count
     # and the rate the run's own optimizer keeps.
     assert whole / replicas <= held < whole / replicas + 64 + 4 * replicas
-  slots = 2 if optimizer == "adam" else 1
+    if shard == "--shard=params":  # 1/N of the weights (all trainable).
+      [(_, weights)] = artifacts.scalars(
+          str(tmp_path / "sharded" / "train"), f"variable_bytes/CPU:{device}")
+      assert whole / slots_of(optimizer) / replicas <= weights < (
+          whole / slots_of(optimizer) / replicas + 64)
   [ratio] = re.findall(r"\(optimizer state ([0-9.]+)x the trainable "
                        r"weights\)", proc.stderr)
-  assert abs(float(ratio) - slots / replicas) <= 0.05, ratio
+  assert abs(float(ratio) - slots_of(optimizer) / replicas) <= 0.05, ratio
 
 
+def slots_of(optimizer):
+  return 2 if optimizer == "adam" else 1
+
+
+@pytest.mark.parametrize("shard", ["--shard_optimizer", "--shard=params"])
 def test_two_workers_sharded_keep_one_devices_weights_and_slots(
-    tmp_path, data_dir, one_device):
+    tmp_path, data_dir, one_device, shard):
   proc = run_launcher(
       ["--workers=2", "--isolate=off"],
       [f"--model_dir={tmp_path / 'sharded'}", f"--data_dir={data_dir}",
        *COMMON, "--train_steps=20", *OPTIMIZERS["momentum"],
-       "--strategy=multi_worker_mirrored", "--shard_optimizer"])
+       "--strategy=multi_worker_mirrored", shard])
   assert "optimizer state 0.5x the trainable weights" in proc.stdout
   _assert_same_checkpoint(tmp_path / "sharded", one_device("momentum"))
 
 
+@pytest.mark.parametrize("shard", ["--shard_optimizer", "--shard=params"])
 def test_resume_sharded_unsharded_sharded_across_replica_counts(
-    tmp_path, data_dir):
+    tmp_path, data_dir, shard):
   _train(tmp_path / "straight", data_dir, 30)
   chain = tmp_path / "chain"
   _train(chain, data_dir, 10, "--strategy=mirrored", "--num_cpu_devices=2",
-         "--shard_optimizer")
+         shard)
   _train(chain, data_dir, 20)
   last = _train(chain, data_dir, 30, "--strategy=mirrored",
-                "--num_cpu_devices=4", "--shard_optimizer")
+                "--num_cpu_devices=4", shard)
   assert "Resumed from" in last.stderr and "at step 20" in last.stderr
   _assert_same_checkpoint(chain, tmp_path / "straight")
 
 
+def test_params_eval_and_export_match_one_device(tmp_path, data_dir):
+  # Eval runs the units on gathered weights; the export holds them whole.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  runs = {}
+  for name, extra in (("one", []), ("params", [
+      "--strategy=mirrored", "--num_cpu_devices=2", "--shard=params"])):
+    proc = _train(tmp_path / name, data_dir, 10, "--export",
+                  "--optimizer=momentum", *extra)
+    [line] = [l for l in proc.stderr.splitlines() if "eval  step 10" in l]
+    serve = tf.saved_model.load(
+        str(tmp_path / name / "export")).signatures["serving_default"]
+    [(input_name, spec)] = serve.structured_input_signature[1].items()
+    outputs = serve(**{input_name: tf.random.stateless_uniform(
+        [5, *spec.shape[1:]], seed=[1, 2], dtype=spec.dtype)})
+    runs[name] = (line.split("eval  step 10:")[1],
+                  next(iter(outputs.values())).numpy())
+  assert runs["params"][0] == runs["one"][0]
+  np.testing.assert_allclose(runs["params"][1], runs["one"][1], rtol=1e-5,
+                             atol=1e-6)
+
+
 @pytest.mark.parametrize("extra,message", [
-    (["--strategy=default"],
-     "--shard_optimizer splits the optimizer state over synchronous "
+    (["--shard_optimizer", "--strategy=default"],
+     "--shard_optimizer splits the training state over synchronous "
      "replicas: --strategy=mirrored or multi_worker_mirrored. Received: "
      "strategy=default"),
-    (["--strategy=mirrored", "--ema_decay=0.9"],
+    (["--shard_optimizer", "--strategy=mirrored", "--ema_decay=0.9"],
      "Received: ema_decay=0.9"),
-    (["--strategy=mirrored", "--allreduce_compression=powersgd"],
+    (["--shard_optimizer", "--strategy=mirrored",
+      "--allreduce_compression=powersgd"],
      "Received: allreduce_compression=powersgd"),
+    (["--shard_optimizer", "--strategy=mirrored", "--shard=params"],
+     "--shard_optimizer is --shard=optimizer; give one of them. Received: "
+     "shard_optimizer=True with shard=params"),
+    (["--shard=params", "--strategy=default"],
+     "--shard=params splits the training state over synchronous replicas"),
+    (["--shard=params", "--strategy=mirrored", "--grad_accum_steps=2"],
+     "Received: grad_accum_steps=2"),
+    (["--shard=params", "--strategy=mirrored", "--sync_batchnorm",
+      "--mixed_precision=mixed_bfloat16"],
+     "Received: mixed_precision=mixed_bfloat16, sync_batchnorm=True"),
 ])
 def test_what_sharding_cannot_do_is_one_line(tmp_path, data_dir, extra,
                                              message):
   proc = run_cli(f"--model_dir={tmp_path / 'run'}", f"--data_dir={data_dir}",
-                 "--shard_optimizer", *extra, check=False)
+                 *extra, check=False)
   assert proc.returncode != 0
   errors = [l for l in proc.stderr.splitlines() if "tfdist: error:" in l]
   assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
@@ -154,9 +198,21 @@ def test_a_variable_the_loss_never_reaches_keeps_its_weights(tmp_path):
   # As Keras skips it: its weights stay (AdamW's decay would move them)
   # and its slots stay zero. A subprocess each: the logical CPUs are
   # fixed at start-up.
-  for name, kwargs in (("one", "{}"), ("sharded", "dict(strategy="
-                       "'mirrored', num_cpu_devices=2, shard_optimizer=True)")):
+  mirrored = "dict(strategy='mirrored', num_cpu_devices=2, "
+  for name, kwargs in (("one", "{}"),
+                       ("optimizer", mirrored + "shard_optimizer=True)"),
+                       ("params", mirrored + "shard='params')")):
     subprocess.run([sys.executable, "-c", _UNREACHED, str(tmp_path / name),
                     kwargs], cwd=ROOT, check=True, capture_output=True,
                    timeout=300)
-  _assert_same_checkpoint(tmp_path / "sharded", tmp_path / "one")
+  for name in ("optimizer", "params"):
+    _assert_same_checkpoint(tmp_path / name, tmp_path / "one")
+
+
+def test_params_clip_by_the_summed_gradients_global_norm(tmp_path, data_dir):
+  # The norm is the whole summed gradient's, from every unit's shards.
+  clip = ["--optimizer=momentum", "--learning_rate=0.05", "--clip_norm=0.05"]
+  _train(tmp_path / "one", data_dir, 10, *clip)
+  _train(tmp_path / "params", data_dir, 10, *clip, "--strategy=mirrored",
+         "--num_cpu_devices=2", "--shard=params")
+  _assert_same_checkpoint(tmp_path / "params", tmp_path / "one")

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tfdist import collectives
 from tfdist import sharded_params
+from tfdist import units
 from tfdist.errors import ConfigError
 
 
@@ -48,11 +49,11 @@ def test_each_layer_with_weights_is_a_unit():
                             keras.layers.Dropout(0.1),
                             keras.layers.BatchNormalization(),
                             keras.layers.Dense(2)])
-  units = sharded_params.plan_units(model)
-  assert [u.layer.name for u in units] == [
+  planned = units.plan_units(model)
+  assert [u.layer.name for u in planned] == [
       model.layers[i].name for i in (0, 2, 3)]
-  assert [u.layout.size for u in units] == [15, 6, 8]
-  assert [len(u.states) for u in units] == [0, 2, 0]
+  assert [u.layout.size for u in planned] == [15, 6, 8]
+  assert [len(u.states) for u in planned] == [0, 2, 0]
 
 
 def test_a_weight_the_model_owns_is_refused():
@@ -69,7 +70,7 @@ def test_a_weight_the_model_owns_is_refused():
   model = Scaled()
   model(tf.ones([1, 3]))
   with pytest.raises(ConfigError, match="belong to no layer.*scale"):
-    sharded_params.plan_units(model)
+    units.plan_units(model)
 
 
 def test_a_weight_two_layers_share_is_refused():
@@ -85,14 +86,14 @@ def test_a_weight_two_layers_share_is_refused():
   inputs = keras.Input((3,))
   model = keras.Model(inputs, Tied(dense)(dense(inputs)))
   with pytest.raises(ConfigError, match="share a weight"):
-    sharded_params.plan_units(model)
+    units.plan_units(model)
 
 
 def test_a_weight_regularizer_is_refused():
   model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(
       2, kernel_regularizer="l2")])
   with pytest.raises(ConfigError, match="regularizer.*kernel"):
-    sharded_params.plan_units(model)
+    units.plan_units(model)
 
 
 def test_gathering_puts_the_layers_back_even_when_the_call_fails():
@@ -115,8 +116,12 @@ def test_a_released_weight_is_not_read_outside_gathering():
   whole = [v.numpy() for v in model.trainable_variables]
   sharded = sharded_params.ShardedParams(strategy=strategy, model=model,
                                          make_optimizer=_sgd)
-  with pytest.raises((ValueError, tf.errors.InvalidArgumentError)):
+  with pytest.raises(Exception, match="(?s)sharded over the replicas.*"
+                     "gathering"):
     model(tf.ones([1, 3]))
+  with pytest.raises(RuntimeError, match="sharded over the replicas"):
+    model.get_weights()
+  assert sharded_params.held_weights(model) == []
   [gathered] = sharded.gathered_weights()
   for got, want in zip(gathered, whole, strict=True):
     assert (got == want).all()
@@ -136,20 +141,20 @@ def test_the_layers_of_a_nested_model_are_units_each_once():
                             keras.layers.Dense(4)])
   inputs = keras.Input((4,))
   model = keras.Model(inputs, keras.layers.Dense(2)(inner(inner(inputs))))
-  assert [u.layer for u in sharded_params.plan_units(model)] == [
+  assert [u.layer for u in units.plan_units(model)] == [
       *inner.layers, model.layers[-1]]
 
 
 def test_a_model_without_weights_is_refused():
   with pytest.raises(ConfigError, match="no trainable weights"):
-    sharded_params.plan_units(keras.Sequential([keras.layers.Dense(2)]))
+    units.plan_units(keras.Sequential([keras.layers.Dense(2)]))
 
 
 def test_a_weight_constraint_is_refused():
   model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(
       2, kernel_constraint="non_neg")])
   with pytest.raises(ConfigError, match="constraint.*kernel"):
-    sharded_params.plan_units(model)
+    units.plan_units(model)
 
 
 class _AddsLoss(keras.layers.Layer):
@@ -225,3 +230,28 @@ def test_a_step_traced_again_for_another_batch(prefetch):
   # The summed gradients were 2 x 4 for each weight: kernel 1 - 0.1 x 8,
   # bias -0.8; each output 3 x 0.2 - 0.8 on 2 rows, 2 outputs, 2 replicas.
   assert float(step(tf.ones([2, 3]))) == pytest.approx(2 * 2 * 2 * -0.2)
+
+
+def _op_counts(concrete, types):
+  """{op type: count} over a traced function's graph and the functions it
+  calls (the custom gradients' forward and backward), each function once."""
+  graph_def = concrete.graph.as_graph_def()
+  nodes = list(graph_def.node)
+  for function in graph_def.library.function:
+    nodes.extend(function.node_def)
+  return {t: sum(n.op == t for n in nodes) for t in types}
+
+
+@pytest.mark.parametrize("reshard,gathers", [(True, 2), (False, 1)])
+def test_a_step_has_one_or_two_gathers_and_one_reduce_scatter_per_unit(
+    reshard, gathers):
+  strategy, model, sharded = _sharded(lambda: keras.Sequential(
+      [keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(4),
+       keras.layers.Dense(2)]), reshard=reshard)
+  step = _step(strategy, model, sharded)
+  counts = _op_counts(step.get_concrete_function(tf.ones([4, 3])),
+                      ("CollectiveGatherV2", "CollectiveAllToAllV2"))
+  # Per replica (2) and unit (3): a gather in the forward, another in the
+  # backward with reshard on, and the reduce-scatter's all-to-all.
+  assert counts == {"CollectiveGatherV2": 2 * 3 * gathers,
+                    "CollectiveAllToAllV2": 2 * 3}, counts

@@ -67,8 +67,9 @@ class Workers:
         proc.wait()
 
 
-@pytest.mark.parametrize("extra", [[], ["--shard_optimizer"]],
-                         ids=["plain", "shard_optimizer"])
+@pytest.mark.parametrize("extra", [[], ["--shard_optimizer"],
+                                   ["--shard=params"]],
+                         ids=["plain", "shard_optimizer", "shard_params"])
 def test_workers_without_a_shared_disk_take_the_chiefs_state(tmp_path,
                                                              data_dir,
                                                              extra):
@@ -76,7 +77,8 @@ def test_workers_without_a_shared_disk_take_the_chiefs_state(tmp_path,
   takes the chief's weights, slots and step, says so, and the run ends
   with the weights of the same resume on a shared model_dir. Sharded
   (Adam's moments split between the workers), worker 1 takes its shard
-  of the chief's restored moments."""
+  of the chief's restored moments (with --shard=params, of its weights
+  too)."""
   shared = str(tmp_path / "shared")
   run_launcher(["--workers=2"], [*MWMS, *extra, f"--data_dir={data_dir}",
                                  "--train_steps=100",

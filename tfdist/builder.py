@@ -6,6 +6,7 @@ survivors, the chief's broadcast), the summaries, the best keeper and the
 export: made here, then handed to tfdist.trainer.Trainer.
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -31,6 +32,7 @@ from tfdist import preflight
 from tfdist import replica_check
 from tfdist import runners
 from tfdist import sharded_optimizer
+from tfdist import sharded_params
 from tfdist import state_setup
 from tfdist import storage
 from tfdist import summaries as summaries_lib
@@ -86,7 +88,10 @@ class _Parts:
   schedule: dict
   global_step: object
   reducer: object
-  sharded: object  # A ShardedUpdate with --shard_optimizer, else None.
+  # With --shard: a sharded_optimizer.ShardedUpdate (optimizer,
+  # gradients) or a sharded_params.ShardedParams (params); else None.
+  sharded: object
+  example: tuple  # (labels, outputs) of the model run on the sample.
 
 
 def _inputs(config, info, task):
@@ -118,9 +123,11 @@ def _inputs(config, info, task):
 
 
 def _model_and_optimizer(config, info, task, sample):
-  """The model, the optimizer and, with --shard_optimizer, the sharded
-  update that holds the optimizer's state instead."""
+  """The model, the optimizer and, with --shard, the sharded update that
+  holds the optimizer's state (and with --shard=params, the weights)
+  instead."""
   strategy = info.strategy
+  stage = preflight.shard_stage(config, info)
   with strategy.scope():
     model = model_setup.build_model(config, task, sample)
     if config.sync_batchnorm:
@@ -129,37 +136,52 @@ def _model_and_optimizer(config, info, task, sample):
     optimizer = optimizers.create(
         config.optimizer, schedule=schedule, weight_decay=config.weight_decay,
         mixed_precision=config.mixed_precision, ema_decay=config.ema_decay)
-    shard = preflight.shards_optimizer(config, info)
-    if not shard:
+    if stage == "none":
       # Sharded, it stays unbuilt: the replicas' shard optimizers hold the
       # state, and it keeps the run's rate and step count.
       optimizer.build(model.trainable_variables)
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                               name="global_step")
     reducer = compression.create(config, model.trainable_variables)
-  sharded = None
-  if shard:
-    sharded = sharded_optimizer.ShardedUpdate(
-        strategy=strategy, variables=model.trainable_variables,
-        optimizer=optimizer, clip_norm=config.clip_norm,
-        make_optimizer=functools.partial(
-            optimizers.create, config.optimizer, schedule=schedule,
-            weight_decay=config.weight_decay))
+  # Before sharding releases the weights.
+  example = model_setup.check_model_fits_data(task, model, sample)
+  sharded = _sharded(config, stage, strategy, model, optimizer, schedule)
   if config.allreduce_compression != "none" and info.num_replicas > 1:
     logging.info("%s.", reducer.describe())
   return _Parts(model=model, optimizer=optimizer, schedule=schedule,
-                global_step=global_step, reducer=reducer, sharded=sharded)
+                global_step=global_step, reducer=reducer, sharded=sharded,
+                example=example)
+
+
+def _sharded(config, stage, strategy, model, optimizer, schedule):
+  """The sharded update of --shard (or None)."""
+  if stage == "none":
+    return None
+  make_optimizer = functools.partial(
+      optimizers.create, config.optimizer, schedule=schedule,
+      weight_decay=config.weight_decay)
+  if stage == "params":
+    sharded = sharded_params.ShardedParams(
+        strategy=strategy, model=model, optimizer=optimizer,
+        clip_norm=config.clip_norm, make_optimizer=make_optimizer,
+        reshard=config.reshard_after_forward)
+    logging.info("--shard=params: %d unit(s) of %s, each gathered as it "
+                 "runs.", len(sharded.units), model.name)
+    return sharded
+  return sharded_optimizer.ShardedUpdate(
+      strategy=strategy, variables=model.trainable_variables,
+      optimizer=optimizer, clip_norm=config.clip_norm,
+      make_optimizer=make_optimizer)
 
 
 def _loops(config, info, task, parts, sample, local):
-  example = model_setup.check_model_fits_data(task, parts.model, sample)
   class_weight = config_lib.class_weights(config.class_weight)
   if class_weight:
     model_setup.check_integer_labels(sample[1])
   return compiled_loops.LoopFunctions(
       strategy=info.strategy, model=parts.model, optimizer=parts.optimizer,
       task=task, metrics=compiled_loops.Metrics(task.metrics(),
-                                                example=example),
+                                                example=parts.example),
       global_batch_size=config.batch_size,
       steps_per_loop=config.steps_per_loop, global_step=parts.global_step,
       grad_accum_steps=config.grad_accum_steps, clip_norm=config.clip_norm,
@@ -188,9 +210,13 @@ def _startup_scalars(info, parts):
     # An elastic job's size over time (tools.chaos --elastic, launch.local
     # --workers=MIN:MAX): one point per (re)start.
     scalars["workers"] = info.num_workers
+  sharded = parts.sharded
   scalars.update(model_setup.memory_per_device(
       parts.model, parts.optimizer, info.strategy,
-      shard_optimizers=parts.sharded.optimizers if parts.sharded else ()))
+      shard_optimizers=sharded.optimizers if sharded else (),
+      weights=[*sharded_params.held_weights(parts.model),
+               *(s for shards in getattr(sharded, "weight_shards", ())
+                 for s in shards)]))
   return scalars
 
 
@@ -207,7 +233,8 @@ def _export_fn(config, task, parts, inputs, write_dir, *, trains):
     # write_dir is model_dir.
     export_dir = storage.join(
         write_dir, best_lib.BEST_EXPORT_DIR if best else "export")
-    with ema.averaged_weights(parts.optimizer):
+    whole = getattr(parts.sharded, "whole_weights", contextlib.nullcontext)
+    with ema.averaged_weights(parts.optimizer), whole():
       export.export_saved_model(
           parts.model, serving_outputs=task.serving_outputs,
           features_spec=inputs.features_spec, export_dir=export_dir,
@@ -345,7 +372,8 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
       learning_rate=functools.partial(_learning_rate_at, optimizer,
                                       parts.schedule),
       replica_checker=(replica_check.ReplicaChecker(
-          strategy=info.strategy, variables=model.weights,
+          strategy=info.strategy,
+          variables=sharded_params.held_weights(model),
           replicas_per_worker=max(info.num_replicas // info.num_workers, 1))
                        if config.check_replicas_every else None),
       export_fn=run.export_fn,

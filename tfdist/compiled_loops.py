@@ -14,6 +14,7 @@ gradient all-reduce (its packs, their order, PowerSGD's start step) in
 tfdist.compression.
 """
 
+import contextlib
 import numpy as np
 import tensorflow as tf
 
@@ -135,15 +136,15 @@ class LoopFunctions:
                measure_input_wait=True):
     """`class_weight`: {class: weight} for integer labels, as Keras `fit`
     has it (training only; classes not in it weigh 1). `sharded`: a
-    sharded_optimizer.ShardedUpdate, which then reduces, clips and applies
-    the gradients in place of the reducer and the optimizer."""
+    sharded_optimizer.ShardedUpdate or a sharded_params.ShardedParams,
+    which then reduces, clips and applies the gradients in place of the
+    reducer and the optimizer (and gives the step its variables and the
+    context of its forward pass)."""
     self._sharded = sharded
     # The input wait reads a weight after each update: local on
     # synchronous strategies, an RPC on parameter servers.
     self._measure_input_wait = measure_input_wait and bool(
         model.trainable_variables)
-    self._first_weights = (model.trainable_variables[0]
-                           if self._measure_input_wait else None)
     self._strategy = strategy
     self._model = model
     self._optimizer = optimizer
@@ -174,6 +175,16 @@ class LoopFunctions:
 
   # Replica steps ---------------------------------------------------------
 
+  def _step_variables(self):
+    """What the step differentiates (in a replica context)."""
+    if self._sharded:
+      return self._sharded.step_variables()
+    return self._model.trainable_variables
+
+  def _forward(self):
+    return self._sharded.forward() if self._sharded else (
+        contextlib.nullcontext())
+
   def _train_weights(self, labels, sample_weight):
     """Each example's weight: its sample_weight times its class weight;
     None when both are absent (all 1)."""
@@ -192,7 +203,7 @@ class LoopFunctions:
   def _forward_backward(self, features, labels, sample_weight,
                         metric_states):
     model = self._model
-    with tf.GradientTape() as tape:
+    with tf.GradientTape() as tape, self._forward():
       per_example, outputs = loss_and_outputs(self._task, model, features,
                                               labels, training=True)
       # Keras's sample_weight: the weighted sum over the global batch,
@@ -204,7 +215,7 @@ class LoopFunctions:
         loss += tf.nn.scale_regularization_loss(
             tf.add_n(model.losses)) / self._accum
       scaled = self._optimizer.scale_loss(loss)
-    grads = tape.gradient(scaled, model.trainable_variables)
+    grads = tape.gradient(scaled, self._step_variables())
     return loss, grads, self.metrics.update(metric_states, labels, outputs,
                                             sample_weight=sample_weight)
 
@@ -221,8 +232,7 @@ class LoopFunctions:
           lambda t: tf.reshape(t, tf.concat([[k, -1], tf.shape(t)[1:]], 0))[i],
           structure)
 
-    variables = self._model.trainable_variables
-    zeros = [tf.zeros_like(v) for v in variables]
+    zeros = [tf.zeros_like(v) for v in self._step_variables()]
     # Variables the loss does not reach have None gradients, as without
     # accumulation: found when the body is traced (once).
     unreached = set()
@@ -274,7 +284,7 @@ class LoopFunctions:
     # The loss sum waits for the update (a read of the first layer's
     # weights, whose gradient backprop computes last, is ordered after
     # their assignment), so that the next input wait starts after it.
-    updated = ([tf.identity(self._first_weights)]
+    updated = ([tf.identity(self._step_variables()[0])]
                if self._measure_input_wait else [])
     with tf.control_dependencies(updated):
       return loop_wire.TrainState(state.loss + loss, first, metric_states)
@@ -285,8 +295,9 @@ class LoopFunctions:
     # sum over the real examples divided by their number; metrics weigh
     # each example by its sample_weight.
     features, labels, mask, *sample_weight = batch
-    per_example, outputs = loss_and_outputs(self._task, self._model,
-                                            features, labels, training=False)
+    with self._forward():
+      per_example, outputs = loss_and_outputs(
+          self._task, self._model, features, labels, training=False)
     mask = tf.cast(mask, tf.float32)
     weights = mask * tf.cast(sample_weight[0], tf.float32) if (
         sample_weight) else mask

@@ -96,30 +96,68 @@ def _validate(config):
                       "put Inf into them for good; use mixed_bfloat16 or no "
                       "mixed precision. Received: allreduce_compression="
                       "powersgd with mixed_precision=mixed_float16")
-  if config.shard_optimizer:
-    refused = {"ema_decay": config.ema_decay,
-               "mixed_precision": config.mixed_precision == "mixed_float16"
-               and "mixed_float16",
-               "allreduce_compression": config.allreduce_compression
-               != "none" and config.allreduce_compression,
-               "allreduce_dtype": config.allreduce_dtype != "float32"
-               and config.allreduce_dtype,
-               "jit_compile": config.jit_compile,
-               "model_parallel": config.model_parallel != "none"
-               and config.model_parallel}
-    given = {k: v for k, v in refused.items() if v}
-    if given:
-      raise ConfigError(
-          "--shard_optimizer updates flat float32 shards of the weights "
-          "and sends them itself; it does not work with --ema_decay, "
-          "mixed_float16's loss scaling, a compressed or cast all-reduce, "
-          "--jit_compile or --model_parallel yet. Received: "
-          + ", ".join(f"{k}={v}" for k, v in given.items()))
+  _check_sharding(config)
   if config.clip_norm and config.mixed_precision == "mixed_float16":
     raise ConfigError("--clip_norm would clip loss-scaled float16 "
                       "gradients; use mixed_bfloat16 or no clipping. "
                       f"Received: clip_norm={config.clip_norm:g} with "
                       "mixed_precision=mixed_float16")
+
+
+def shard_stage(config):
+  """What is sharded: none, optimizer, gradients or params
+  (--shard_optimizer is --shard=optimizer)."""
+  return "optimizer" if config.shard_optimizer else config.shard
+
+
+def shard_flag(config):
+  """The flag as the user gave it, for messages."""
+  return ("--shard_optimizer" if config.shard_optimizer
+          else f"--shard={config.shard}")
+
+
+def _check_sharding(config):
+  stage = shard_stage(config)
+  if not config.reshard_after_forward and stage != "params":
+    raise ConfigError("--noreshard_after_forward keeps gathered weights, "
+                      "which only --shard=params gathers. Received: "
+                      f"reshard_after_forward=False with shard={stage}")
+  if stage == "none":
+    return
+  if config.shard_optimizer and config.shard not in ("none", "optimizer"):
+    raise ConfigError("--shard_optimizer is --shard=optimizer; give one of "
+                      "them. Received: shard_optimizer=True with "
+                      f"shard={config.shard}")
+  refused = {"ema_decay": config.ema_decay,
+             "mixed_precision": config.mixed_precision == "mixed_float16"
+             and "mixed_float16",
+             "allreduce_compression": config.allreduce_compression
+             != "none" and config.allreduce_compression,
+             "allreduce_dtype": config.allreduce_dtype != "float32"
+             and config.allreduce_dtype,
+             "jit_compile": config.jit_compile,
+             "model_parallel": config.model_parallel != "none"
+             and config.model_parallel}
+  also = ""
+  if stage == "params":
+    # Each is a path the unit-by-unit gather does not take yet.
+    refused.update({
+        "mixed_precision": config.mixed_precision != "none"
+        and config.mixed_precision,
+        "grad_accum_steps": config.grad_accum_steps > 1
+        and config.grad_accum_steps,
+        "sync_batchnorm": config.sync_batchnorm,
+        "init_checkpoint": config.init_checkpoint})
+    also = (", and with --shard=params not with mixed precision, "
+            "--grad_accum_steps, --sync_batchnorm or --init_checkpoint")
+  given = {k: v for k, v in refused.items() if v}
+  if given:
+    raise ConfigError(
+        f"{shard_flag(config)} updates flat float32 shards of the weights "
+        "and sends them itself; it does not work with --ema_decay, "
+        "mixed_float16's loss scaling, a compressed or cast all-reduce, "
+        f"--jit_compile or --model_parallel yet{also}. Received: "
+        + ", ".join(f"{k}={v}" for k, v in given.items()))
 
 
 def _to_dict(self):

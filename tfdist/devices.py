@@ -32,6 +32,8 @@ def bytes_per_device(variables, strategy):
   totals = {}
   for variable in variables:
     value = getattr(variable, "value", variable)
+    if callable(value):  # A tf.Variable's value() is a method.
+      value = variable
     for copy in strategy.experimental_local_results(value):
       name = _short_name(copy.device)
       totals[name] = totals.get(name, 0) + variable_bytes(copy)

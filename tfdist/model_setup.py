@@ -171,11 +171,14 @@ def log_ps_placement(model):
                  len(names[task]), ", ".join(names[task]))
 
 
-def memory_per_device(model, optimizer, strategy, shard_optimizers=()):
+def memory_per_device(model, optimizer, strategy, shard_optimizers=(),
+                      weights=None):
   """Logs the bytes of the variables and of the optimizer state on each
   device (a mirrored copy counts on each replica's device); returns them
-  as startup scalars variable_bytes/<device>, optimizer_bytes/<device>."""
-  weights = devices.bytes_per_device(model.weights, strategy)
+  as startup scalars variable_bytes/<device>, optimizer_bytes/<device>.
+  `weights`: the variables held (default: the model's)."""
+  weights = devices.bytes_per_device(
+      model.weights if weights is None else weights, strategy)
   state = devices.bytes_per_device(
       [*optimizer.variables,
        *(v for o in shard_optimizers for v in o.variables)], strategy)

@@ -26,6 +26,7 @@ KEY_OPTIONS = ("model_dir", "mode", "strategy", "num_cpu_devices", "task",
 
 MIXED_PRECISION = ("none", "mixed_float16", "mixed_bfloat16")
 LR_SCHEDULES = ("constant", "cosine", "linear", "step")
+SHARD_STAGES = ("none", "optimizer", "gradients", "params")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,11 +226,21 @@ OPTIONS = (
     _o("grad_accum_steps", 1, "Run each replica's batch as K micro-batches "
        "and sum their gradients before the one update.", "optimization",
        above=0),
-    _o("shard_optimizer", False, "ZeRO stage 1: each replica keeps the "
-       "optimizer state of 1/N of the weights (a reduce-scatter, the "
-       "update of one shard, an all-gather; the bytes of one all-reduce). "
-       "Checkpoints hold the whole state. mirrored and "
-       "multi_worker_mirrored.", "optimization"),
+    _enum("shard", "none", SHARD_STAGES, "What each of N replicas keeps "
+          "1/N of (ZeRO): optimizer (its state; the gradients are "
+          "reduce-scattered, so no replica holds their sum either), "
+          "gradients (the same update: stage 1 here already has stage 2's "
+          "gradient shards), params (the weights too, gathered a layer at a "
+          "time: fully sharded data parallelism). Checkpoints hold the whole "
+          "state, as an unsharded run lays it out. mirrored and "
+          "multi_worker_mirrored.", "optimization"),
+    _o("shard_optimizer", False, "The same as --shard=optimizer.",
+       "optimization"),
+    _o("reshard_after_forward", True, "--shard=params: a layer's gathered "
+       "weights are dropped after its forward pass and gathered again for "
+       "its backward (1.5x the bytes of an all-reduce); false: kept until "
+       "its backward (1.0x the bytes; the whole weights are alive through "
+       "the step).", "optimization"),
     _o("batch_size", 64, "GLOBAL batch size of one update (all replicas).",
        "optimization", above=0),
     # loop
@@ -298,7 +309,7 @@ OPTIONS = (
        "into this worker's memory; a worker that loses a peer writes it to "
        "model_dir/survivors/, and the next group resumes there, redoing "
        "no step. Costs one more copy of that state in memory and a copy "
-       "per loop call. Not with --shard_optimizer.", "multi_worker"),
+       "per loop call. Not with --shard.", "multi_worker"),
     _o("collective_timeout", 0.0, "Seconds a loop call may run past its "
        "usual length before the task takes a peer as stalled, names its "
        "peers and exits with code 5 (a call longer than this may run to "

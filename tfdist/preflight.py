@@ -5,6 +5,7 @@ what depends on the replicas, devices or strategy is checked here, once
 the strategy exists and before anything is built or written.
 """
 
+from tfdist import config as config_lib
 from tfdist import strategies
 from tfdist.errors import ConfigError
 
@@ -37,10 +38,12 @@ def jit_mode(config, info, local_devices):
   return "forward"
 
 
-def shards_optimizer(config, info):
-  """Whether this process's update is sharded (--shard_optimizer): a
-  sidecar evaluator trains nothing, so it never is."""
-  return config.shard_optimizer and info.reason != "sidecar evaluator"
+def shard_stage(config, info):
+  """What this process's update shards (tfdist.config.shard_stage): a
+  sidecar evaluator trains nothing, so none."""
+  if info.reason == "sidecar evaluator":
+    return "none"
+  return config_lib.shard_stage(config)
 
 
 def check_run(config, info, local_devices):
@@ -62,12 +65,12 @@ def check_run(config, info, local_devices):
         "the forward pass with XLA, which has no CPU collectives. Received: "
         f"sync_batchnorm=True with strategy={info.name}"
         + (", jit_compile=True" if mode == "forward" else ""))
-  if shards_optimizer(config, info) and info.name not in (
+  if shard_stage(config, info) != "none" and info.name not in (
       "mirrored", "multi_worker_mirrored"):
     raise ConfigError(
-        "--shard_optimizer splits the optimizer state over synchronous "
-        "replicas: --strategy=mirrored or multi_worker_mirrored. Received: "
-        f"strategy={info.name}")
+        f"{config_lib.shard_flag(config)} splits the training state over "
+        "synchronous replicas: --strategy=mirrored or "
+        f"multi_worker_mirrored. Received: strategy={info.name}")
   if info.coordinator and info.num_workers > 1 and config.cache not in (
       "auto", "memory", "off"):
     raise ConfigError(

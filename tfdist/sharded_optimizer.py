@@ -47,7 +47,7 @@ def slots(optimizer):
   return [v for v in optimizer.variables if v.path not in skip]
 
 
-def _check_slot_layout(make_optimizer):
+def check_slot_layout(make_optimizer):
   """The checkpoint view assumes Keras's layout of an optimizer's state:
   the slots of each variable together, variable after variable. Checked
   on two stand-ins, so another Keras cannot save a wrong layout silently."""
@@ -62,7 +62,7 @@ def _check_slot_layout(make_optimizer):
               for _ in range(per_variable)]
   if len(names) % 2 or not all(e in n for e, n in zip(expected, names)):
     raise RuntimeError(
-        "--shard_optimizer: this Keras lays out the optimizer's slots "
+        "Sharding: this Keras lays out the optimizer's slots "
         f"otherwise ({names}), so the checkpoint of a sharded run would not "
         "match an unsharded one.")
 
@@ -103,6 +103,63 @@ class _SlotView(tf.__internal__.tracking.Trackable):
     return tf.no_op()
 
 
+def checkpoint_view(owner, optimizer, variables, slot_count):
+  """What goes into the checkpoint as `optimizer`: the children an
+  unsharded run's Keras optimizer has (its step count, its rate when it
+  is a variable, `variables`, and the slots of each variable in turn),
+  with each slot whole: `owner.whole_slot(v, k)` saves slot k of
+  variables[v], and a restore puts it in `owner.restored[(v, k)]`."""
+  view = tf.__internal__.tracking.AutoTrackable()
+  view._iterations = optimizer.iterations  # pylint: disable=protected-access
+  kept = [optimizer.iterations]
+  rate = getattr(optimizer, "_learning_rate", None)
+  if hasattr(rate, "assign"):
+    view._learning_rate = rate  # pylint: disable=protected-access
+    kept.append(rate)
+  view._trainable_variables = list(variables)  # pylint: disable=protected-access
+  view._variables = kept + [  # pylint: disable=protected-access
+      _SlotView(owner, v, k) for v in range(len(variables))
+      for k in range(slot_count)]
+  return view
+
+
+def _from_replica_zero(strategy, values, own=None):
+  """The sum over replicas of `values` from replica 0 and `own` (or
+  zeros) from every other replica."""
+  reduce = tf.function(functools.partial(replica_check.from_replica_zero,
+                                         strategy))
+  own = np.zeros_like(values) if own is None else own
+  return reduce(tf.constant(values), own=tf.constant(own)).numpy()
+
+
+def share_restored(strategy, restored, entries, differs_here):
+  """The restored values every worker scatters its shards from, after
+  ChiefBroadcast (`differs_here`: this worker's state was not the
+  chief's). `restored`: {key: value} this worker read; `entries`: every
+  (key, shape) a checkpoint holds. When the chief restored and some
+  worker's values differ (no shared disk), each takes the chief's; a
+  worker that restored nothing would otherwise train on its fresh state.
+  When the chief restored nothing, nobody keeps what it read. One small
+  all-reduce decides; the whole state travels only when needed."""
+  if not entries:
+    return restored
+  need = float(differs_here or not restored)
+  has = float(bool(restored))
+  needed, chief_has = _from_replica_zero(
+      strategy, np.array([need, has], np.float32),
+      np.array([need, 0], np.float32))
+  if not chief_has:
+    return {}
+  if not needed:
+    return restored
+  layout = flat_layout.FlatLayout([shape for _, shape in entries])
+  mine = np.zeros([layout.size], np.float32)
+  if restored:
+    mine[:] = layout.flatten_numpy([restored[key] for key, _ in entries])
+  shared = layout.unflatten_numpy(_from_replica_zero(strategy, mine))
+  return {key: value for (key, _), value in zip(entries, shared)}
+
+
 class ShardedUpdate:
   """The sharded optimizer update of `variables` (a model's trainable
   variables, created under `strategy`). `optimizer` is the run's Keras
@@ -122,7 +179,7 @@ class ShardedUpdate:
         strategy, length=self._layout.size, bucket_elements=bucket_elements)
     self._clip_norm = clip_norm
     self._optimizer = optimizer
-    _check_slot_layout(make_optimizer)
+    check_slot_layout(make_optimizer)
     self._gathered = None  # {(variable, slot): array} while saving.
     self.restored = {}  # {(variable, slot): tensor} from a restore.
     self.shards = []  # One flat weight shard per local replica.
@@ -138,6 +195,14 @@ class ShardedUpdate:
     # Which shard each local replica holds: fixed for the strategy's life,
     # so asked once here (every worker builds this at the same point).
     self._ranks = self.ranks()
+
+  def step_variables(self):
+    """What a step differentiates: the model's own variables."""
+    return self._variables
+
+  def forward(self):
+    """Around a step's forward pass: nothing to do here."""
+    return contextlib.nullcontext()
 
   @property
   def shard_size(self):
@@ -231,22 +296,9 @@ class ShardedUpdate:
     return len(slots(self.optimizers[0]))
 
   def checkpoint_view(self, optimizer, variables):
-    """What goes into the checkpoint as `optimizer`: the children an
-    unsharded run's Keras optimizer has (its step count, its rate when it
-    is a variable, `variables`, and the slots of each variable in turn),
-    with each slot whole."""
-    view = tf.__internal__.tracking.AutoTrackable()
-    view._iterations = optimizer.iterations  # pylint: disable=protected-access
-    kept = [optimizer.iterations]
-    rate = getattr(optimizer, "_learning_rate", None)
-    if hasattr(rate, "assign"):
-      view._learning_rate = rate  # pylint: disable=protected-access
-      kept.append(rate)
-    view._trainable_variables = list(variables)  # pylint: disable=protected-access
-    view._variables = kept + [  # pylint: disable=protected-access
-        _SlotView(self, v, k) for v in range(len(self._variables))
-        for k in range(self._slot_count())]
-    return view
+    """What goes into the checkpoint as `optimizer` (see the module
+    function)."""
+    return checkpoint_view(self, optimizer, variables, self._slot_count())
 
   def whole_slot(self, variable, slot):
     """The whole value of one slot while saving; zeros otherwise (a
@@ -290,44 +342,13 @@ class ShardedUpdate:
     finally:
       self._gathered = None
 
-  def _from_replica_zero(self, values, own=None):
-    """The sum over replicas of `values` from replica 0 and `own` (or
-    zeros) from every other replica."""
-    reduce = tf.function(functools.partial(replica_check.from_replica_zero,
-                                           self._strategy))
-    own = np.zeros_like(values) if own is None else own
-    return reduce(tf.constant(values), own=tf.constant(own)).numpy()
-
   def share_restored(self, differs_here):
     """Every worker calls this after ChiefBroadcast (`differs_here`: this
-    worker's state was not the chief's): when the chief restored slots
-    and some worker's differ (no shared disk), each takes the chief's
-    whole slots, to scatter its own shards from. A worker that restored
-    nothing would otherwise train with zero slots. One small all-reduce
-    decides; the whole state travels only when needed."""
-    count = self._slot_count()
-    if not count:
-      return
-    need = float(differs_here or not self.restored)
-    has = float(bool(self.restored))
-    needed, chief_has = self._from_replica_zero(
-        np.array([need, has], np.float32), np.array([need, 0], np.float32))
-    if not chief_has:
-      self.restored = {}  # The chief's fresh state wins over this one's.
-      return
-    if not needed:
-      return
-    length = self._layout.size
-    mine = np.zeros([count * length], np.float32)
-    if self.restored:
-      mine[:] = np.concatenate([self._layout.flatten_numpy(
-          [self.restored[(v, k)] for v in range(len(self._variables))])
-                                for k in range(count)])
-    shared = self._from_replica_zero(mine)
-    for k in range(count):
-      pieces = self._layout.unflatten_numpy(shared[k * length:][:length])
-      for v, piece in enumerate(pieces):
-        self.restored[(v, k)] = piece
+    worker's state was not the chief's); see share_restored below."""
+    self.restored = share_restored(
+        self._strategy, self.restored,
+        [((v, k), variable.shape) for k in range(self._slot_count())
+         for v, variable in enumerate(self._variables)], differs_here)
 
   def scatter_restored(self):
     """After a restore: each local shard takes its slice of the restored

@@ -18,15 +18,13 @@ A unit's gather waits for the input of the unit called before it
 (prefetch of one unit): TF's executor would otherwise start every gather
 at the top of the step and bring the whole model back.
 
-The layer's other state (BatchNorm statistics, a dropout seed) is read
-before the call and mapped in the scope too, so the backward's second
-run sees the same values (the same dropout mask); what the forward
-assigns to it is assigned after the call. The second run happens after
-the model's call has returned, so it re-enters the forward's Keras call
-context (the `training` inner layers inherit) and autocast scope
-(tfdist.keras_context). What the scope would lose silently (a loss
-added in the call, an assignment to a variable the unit does not own)
-is refused.
+How one call of a unit runs on given weights, its other state (BatchNorm
+statistics, a dropout seed) included: tfdist.units.
+
+The whole weights are released once sharded; a checkpoint still saves
+them whole, under an unsharded run's keys (_ReleasedWeight), and the
+optimizer's slots too (`checkpoint_view`), so a run resumes on any N,
+sharded or not.
 """
 
 import contextlib
@@ -35,71 +33,45 @@ import threading
 import tensorflow as tf
 
 from tfdist import collectives
-from tfdist import flat_layout
-from tfdist import keras_context
 from tfdist import sharded_optimizer
-from tfdist.errors import ConfigError
+from tfdist import units as units_lib
 
 
-class _Unit:
-  """A layer and its trainable weights (sharded) and other state (not)."""
+class _ReleasedWeight(tf.__internal__.tracking.Trackable):
+  """What a released Keras variable holds in place of its value: its
+  checkpoint entry, whole (gathered while saving; what a restore reads
+  is kept for the shards). Read elsewhere, it says why it cannot be."""
 
-  def __init__(self, layer):
-    self.layer = layer
-    self.weights = list(layer.trainable_weights)
-    trainable = {id(v) for v in self.weights}
-    # `variables`, not `weights`: dropout's seed state is one.
-    self.states = [v for v in layer.variables if id(v) not in trainable]
-    self.layout = flat_layout.FlatLayout([v.shape for v in self.weights])
+  def __init__(self, owner, key, variable):
+    self._owner, self._key = owner, key
+    self.shape, self.dtype = variable.shape, variable.dtype
+    self._path = variable.path
+
+  def _serialize_to_tensors(self):
+    return {"VARIABLE_VALUE": self._owner.whole(self._key)}
+
+  def _restore_from_tensors(self, restored_tensors):
+    self._owner.restored[self._key] = restored_tensors["VARIABLE_VALUE"]
+    return tf.no_op()
+
+  def __tf_tensor__(self, *args, **kwargs):
+    del args, kwargs
+    raise RuntimeError(
+        f"{self._path} is sharded over the replicas (--shard=params): "
+        "read it inside ShardedParams.gathering() or whole_weights().")
+
+  __array__ = numpy = read_value = __tf_tensor__
+
+  @property
+  def _shared_name(self):
+    return self._path
 
 
-def _unit_layers(model, seen=None):
-  """The layers of model.layers with trainable weights, each once, and in
-  place of a model nested in it, its own layers (so that a backbone is
-  not one unit), unless it owns a weight outside them."""
-  import keras  # pylint: disable=g-import-not-at-top
-  seen = set() if seen is None else seen
-  for layer in model.layers:
-    if id(layer) in seen or not layer.trainable_weights:
-      continue
-    seen.add(id(layer))
-    inner = {id(v) for sub in getattr(layer, "layers", ())
-             for v in sub.trainable_weights}
-    if isinstance(layer, keras.Model) and all(
-        id(v) in inner for v in layer.trainable_weights):
-      yield from _unit_layers(layer, seen)
-    else:
-      yield layer
-
-
-def plan_units(model):
-  """The model's units: each layer of model.layers (or of a model nested
-  in it) with trainable weights. Raises ConfigError when the model has
-  no trainable weights (or is not built), when a trainable weight
-  belongs to no such layer (a variable the model itself owns), when two
-  layers share a weight, or when a weight has a regularizer or a
-  constraint (Keras computes the one and applies the other on the whole
-  weight, which is released)."""
-  if not model.trainable_weights:
-    raise ConfigError(f"sharded weights: model {model.name} has no "
-                      "trainable weights (is it built?)")
-  units = [_Unit(layer) for layer in _unit_layers(model)]
-  owned = {id(v) for unit in units for v in unit.weights}
-  loose = [v.path for v in model.trainable_weights if id(v) not in owned]
-  if loose:
-    raise ConfigError(
-        "sharded weights are the weights of the model's layers; these "
-        f"belong to no layer of model.layers: {loose}")
-  if len(owned) != sum(len(unit.weights) for unit in units):
-    raise ConfigError("sharded weights: two layers of the model share a "
-                      "weight; share the layer instead (one unit).")
-  for kind in ("regularizer", "constraint"):
-    found = [v.path for unit in units for v in unit.weights
-             if getattr(v, kind, None) is not None]
-    if found:
-      raise ConfigError(f"sharded weights: a weight {kind} works on the "
-                        f"whole weight; these have one: {found}")
-  return units
+def held_weights(model):
+  """The model's weights whose values it holds: all but those a
+  ShardedParams released."""
+  return [w for w in model.weights
+          if not isinstance(getattr(w, "_value", None), _ReleasedWeight)]
 
 
 class ShardedParams:
@@ -114,14 +86,28 @@ class ShardedParams:
   `optimizer`: the run's optimizer, never built, whose rate, weight decay
   and step count are the run's (default: each replica's own).
   `prefetch`: whether a unit's gather may run while the unit before it
-  computes (else it waits for it). Build this outside `strategy.scope()`:
-  the shards are one variable per device."""
+  computes (else it waits for it). `reshard`: whether a unit's gathered
+  weights die after its forward and are gathered again in the backward
+  (FSDP's reshard_after_forward: 1.5x the bytes of an all-reduce), or
+  live until the backward is done with them (1.0x, the whole weights
+  alive through the step). Build this outside `strategy.scope()`: the
+  shards are one variable per device."""
 
   def __init__(self, *, strategy, model, make_optimizer, optimizer=None,
-               prefetch=True, release_model_weights=True):
+               clip_norm=0.0, prefetch=True, reshard=True,
+               release_model_weights=True):
     collectives.check_outside_scope("ShardedParams")
+    sharded_optimizer.check_slot_layout(make_optimizer)
     self._strategy = strategy
-    self.units = plan_units(model)
+    self._clip_norm = clip_norm
+    self.units = units_lib.plan_units(model)
+    # Where each of model.trainable_variables lies: (unit, index in it).
+    # The checkpoint keys the slots by the model's order, as Keras does.
+    where = {id(w): (u, i) for u, unit in enumerate(self.units)
+             for i, w in enumerate(unit.weights)}
+    self._model_order = [where[id(w)] for w in model.trainable_variables]
+    self._gathered = None  # {key: whole value} while saving.
+    self.restored = {}  # {key: value} from a restore.
     self._collectives = [collectives.ShardCollectives(
         strategy, length=u.layout.size, bucket_elements=u.layout.size)
                          for u in self.units]
@@ -136,16 +122,15 @@ class ShardedParams:
       with tf.device(device):
         self.optimizers.append(make_optimizer())
         self.optimizers[-1].build(shards)
-    self._prefetch = prefetch
+    self._prefetch, self._reshard = prefetch, reshard
     self._previous_inputs, self._previous_reduced = {}, {}
     self._lock, self._entered, self._own_calls = threading.Lock(), 0, []
 
   def _shard_unit(self, u, devices, release):
     """Each local replica's shard of unit `u`, from the model's weights;
-    then, with `release`, the whole weights are freed. A weight released
-    keeps an empty variable: a layer's call outside `gathering()` fails
-    on its shape instead of using stale values (but a save or
-    get_weights() gets empty arrays)."""
+    then, with `release`, the whole weights are freed: each Keras
+    variable holds a _ReleasedWeight instead, which a checkpoint saves
+    whole and a read outside `gathering()` refuses."""
     unit, shards = self.units[u], self._collectives[u]
     flat = unit.layout.flatten_numpy([v.numpy() for v in unit.weights])
     for local, (device, rank) in enumerate(zip(devices, self._ranks)):
@@ -153,11 +138,16 @@ class ShardedParams:
         self.shards[local].append(tf.Variable(
             shards.numpy_shard(flat, rank), name=f"unit_shard_{u}"))
     if release:
-      for variable in unit.weights:
-        with tf.init_scope():
-          variable._value = tf.Variable(  # pylint: disable=protected-access
-              tf.zeros([0], variable.dtype), trainable=False,
-              name=f"released_{variable.name}")
+      self._release(u)
+
+  def _release(self, u):
+    for i, variable in enumerate(self.units[u].weights):
+      variable._value = _ReleasedWeight(self, ("w", u, i), variable)  # pylint: disable=protected-access
+
+  @property
+  def weight_shards(self):
+    """[local replica][unit]: the weight shards this process holds."""
+    return self.shards
 
   def _local(self):
     return collectives.local_replica(len(self.shards))
@@ -166,31 +156,152 @@ class ShardedParams:
     """This replica's shards (in a replica context), one per unit."""
     return self.shards[self._local()]
 
+  def step_variables(self):
+    """What a step differentiates: this replica's shards."""
+    return self.variables()
+
+  def forward(self):
+    """Around a step's (or an eval's) forward pass."""
+    return self.gathering()
+
   def apply(self, grads):
     """Updates this replica's shards (in a replica context) with `grads`,
     the gradients of `variables()`: already summed over the replicas by
-    the backward. A unit the loss does not reach (None) is left as is."""
+    the backward. A unit the loss does not reach (None) is left as is.
+    With clip_norm, clipped by the global norm of the summed gradient,
+    which one scalar all-reduce of the shards' squared norms gives."""
     local = self._local()
     pairs = [(g, s) for g, s in zip(grads, self.shards[local])
              if g is not None]
+    grads = [tf.convert_to_tensor(g) for g, _ in pairs]
+    if self._clip_norm:
+      squares = tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
+      norm = tf.sqrt(tf.distribute.get_replica_context().all_reduce(
+          tf.distribute.ReduceOp.SUM, squares))
+      grads = [g * (self._clip_norm / tf.maximum(norm, self._clip_norm))
+               for g in grads]
     sharded_optimizer.update_shards(
-        self.optimizers[local], [g for g, _ in pairs], [s for _, s in pairs],
+        self.optimizers[local], grads, [s for _, s in pairs],
         run=self._optimizer)
 
   def gathered_weights(self):
     """Every unit's whole weights, as numpy arrays in the units' order
     (all-gathered: every worker calls this together)."""
+    return [[w.numpy() for w in unit]
+            for unit in self._gathered_state(slots=False)[0]]
+
+  def _gathered_state(self, slots):
+    """([unit][weight], [unit][slot kind][weight]) whole, as tensors."""
+    count = self._slot_count() if slots else 0
 
     @tf.function
     def gather():
       def replica_fn():
-        mine = self.variables()
-        return [self._gather(u, mine[u].read_value())
-                for u in range(len(self.units))]
+        local = self._local()
+        mine = self.shards[local]
+        held = sharded_optimizer.slots(self.optimizers[local])
+        return ([self._gather(u, mine[u].read_value())
+                 for u in range(len(self.units))],
+                [[self._gather(u, tf.convert_to_tensor(held[u * count + k]))
+                  for k in range(count)] for u in range(len(self.units))])
       return self._strategy.experimental_local_results(
           self._strategy.run(replica_fn))[0]
 
-    return [[w.numpy() for w in unit] for unit in gather()]
+    return gather()
+
+  @contextlib.contextmanager
+  def whole_weights(self):
+    """Within (every worker enters it together): the model's variables
+    hold their whole weights (not the optimizer's state), as for an
+    export."""
+    released = [(w, w._value) for unit in self.units for w in unit.weights]  # pylint: disable=protected-access
+    for unit, values in zip(self.units, self.gathered_weights()):
+      for weight, value in zip(unit.weights, values):
+        with tf.init_scope():
+          weight._value = tf.Variable(value, name=weight.name)  # pylint: disable=protected-access
+    try:
+      yield
+    finally:
+      for weight, value in released:
+        weight._value = value  # pylint: disable=protected-access
+
+  # Checkpoints: the layout of an unsharded run ---------------------------
+
+  def _slot_count(self):
+    return len(sharded_optimizer.slots(self.optimizers[0])) // len(
+        self.units)
+
+  def checkpoint_view(self, optimizer, variables):
+    """What goes into the checkpoint as `optimizer` (the model's weights
+    save themselves, whole, through their _ReleasedWeight)."""
+    return sharded_optimizer.checkpoint_view(self, optimizer, variables,
+                                             self._slot_count())
+
+  def whole(self, key):
+    """The whole value saved under `key` while saving; zeros otherwise (a
+    restore only asks for the shape and dtype)."""
+    if self._gathered is not None:
+      return self._gathered[key]
+    u, i = key[1:] if key[0] == "w" else self._model_order[key[0]]
+    return tf.zeros(self.units[u].weights[i].shape, tf.float32)
+
+  def whole_slot(self, variable, slot):
+    return self.whole((variable, slot))
+
+  @contextlib.contextmanager
+  def saving(self):
+    """Around a checkpoint save (every worker saves together): every
+    unit's weights and slots are gathered first. The save holds the whole
+    state once (TF's saver takes every tensor before it writes)."""
+    weights, unit_slots = self._gathered_state(slots=True)
+    self._gathered = {}
+    for u, values in enumerate(weights):
+      for i, value in enumerate(values):
+        self._gathered[("w", u, i)] = value
+    for v, (u, i) in enumerate(self._model_order):
+      for k, kind in enumerate(unit_slots[u]):
+        self._gathered[(v, k)] = kind[i]
+    try:
+      yield
+    finally:
+      self._gathered = None
+
+  def _entries(self):
+    """Every (key, shape) of the checkpoint's sharded state."""
+    return [(("w", u, i), w.shape) for u, unit in enumerate(self.units)
+            for i, w in enumerate(unit.weights)] + [
+                ((v, k), self.units[u].weights[i].shape)
+                for k in range(self._slot_count())
+                for v, (u, i) in enumerate(self._model_order)]
+
+  def share_restored(self, differs_here):
+    """After ChiefBroadcast: see sharded_optimizer.share_restored."""
+    self.restored = sharded_optimizer.share_restored(
+        self._strategy, self.restored, self._entries(), differs_here)
+
+  def scatter_restored(self):
+    """After a restore: each local shard takes its slice of the restored
+    weights and slots, and every shard optimizer the run's step count."""
+    if self.restored:
+      at = {ui: v for v, ui in enumerate(self._model_order)}
+      count = self._slot_count()
+      for u, unit in enumerate(self.units):
+        kinds = [[("w", u, i) for i in range(len(unit.weights))]] + [
+            [(at[(u, i)], k) for i in range(len(unit.weights))]
+            for k in range(count)]
+        for kind, keys in enumerate(kinds):
+          if not all(k in self.restored for k in keys):
+            continue  # Not in the checkpoint: the fresh values stay.
+          flat = unit.layout.flatten_numpy([self.restored[k] for k in keys])
+          for local, rank in enumerate(self._ranks):
+            target = (self.shards[local][u] if kind == 0 else
+                      sharded_optimizer.slots(self.optimizers[local])[
+                          u * count + kind - 1])
+            target.assign(self._collectives[u].numpy_shard(flat, rank))
+      self.restored = {}
+    if self._optimizer is not None:
+      for optimizer in self.optimizers:
+        optimizer.iterations.assign(self._optimizer.iterations.value)
 
   def _gather(self, u, shard):
     """Unit `u`'s weights, whole, from every replica's `shard` of it."""
@@ -233,8 +344,8 @@ class ShardedParams:
 
   def _unit_call(self, u, original):
     def call(*args, **kwargs):
-      return self._run_unit(u, _UnitCall(self.units[u], original, args,
-                                         kwargs))
+      return self._run_unit(u, units_lib.UnitCall(
+          self.units[u], original, args, kwargs))
     return call
 
   def _run_unit(self, u, call):
@@ -250,15 +361,18 @@ class ShardedParams:
       with tf.control_dependencies([] if self._prefetch else inputs):
         weights = self._gather(u, shard)
       outputs = call.run(inputs, weights, replay=False)
+      kept = None if self._reshard else weights
 
       def grad_fn(*upstream):
         upstream = [tf.zeros_like(o) if g is None else g
                     for o, g in zip(outputs, upstream)]
         after = [] if self._prefetch else _last(self._previous_reduced,
                                                  local)
-        with tf.control_dependencies(upstream + after):
-          weights = self._gather(u, shard)
-        input_grads, weight_grads = call.gradients(inputs, weights, upstream)
+        if kept is None:
+          with tf.control_dependencies(upstream + after):
+            regathered = self._gather(u, shard)
+        input_grads, weight_grads = call.gradients(
+            inputs, regathered if kept is None else kept, upstream)
         reduced = self._reduce_scatter(u, weight_grads)
         _keep(self._previous_reduced, local, [reduced])
         return input_grads + [reduced]
@@ -283,92 +397,3 @@ def _last(kept, local):
 
 def _keep(kept, local, tensors):
   kept[local] = (tf.compat.v1.get_default_graph(), tensors)
-
-
-class _UnitCall:
-  """One call of a unit's layer: its arguments, with each distinct input
-  tensor once (attention's query and value, passed as one tensor, would
-  otherwise each get the whole gradient), its state as read before the
-  call, and Keras's call context (`training` as the outer call set it)
-  and autocast scope, which the backward's second run re-enters: that
-  run happens once the model's call has returned."""
-
-  def __init__(self, unit, original, args, kwargs):
-    self.unit, self._original = unit, original
-    self._structure = (args, kwargs)
-    self._flat = tf.nest.flatten((args, kwargs))
-    self.inputs, self._places, seen = [], [], {}
-    for i, x in enumerate(self._flat):
-      if tf.is_tensor(x):
-        if x.ref() not in seen:
-          seen[x.ref()] = len(self.inputs)
-          self.inputs.append(x)
-        self._places.append((i, seen[x.ref()]))
-    self._context = keras_context.capture()
-    with keras_context.no_autocast():  # The states' own dtype.
-      self._states = [tf.convert_to_tensor(v.value) for v in unit.states]
-    self._outputs, self._updates = None, []
-
-  def run(self, inputs, weights, replay):
-    """The layer's outputs (flat) on `inputs` and `weights`. The forward
-    (replay False) keeps the outputs' structure and the state's updates;
-    the backward's run (replay True) re-enters the forward's context."""
-    values = list(self._flat)
-    for i, k in self._places:
-      values[i] = inputs[k]
-    args, kwargs = tf.nest.pack_sequence_as(self._structure, values)
-    mapping = list(zip(self.unit.weights, weights)) + list(
-        zip(self.unit.states, self._states))
-    scope = keras_context.stateless(mapping)
-    if replay:
-      with keras_context.entered(self._context), scope:
-        return tf.nest.flatten(self._original(*args, **kwargs))
-    owned = self.unit.weights + self.unit.states
-    before = [scope.get_current_value(v) for v in owned]
-    with scope:
-      self._outputs = self._original(*args, **kwargs)
-    self._updates = self._check_updates(scope, owned, before)
-    return tf.nest.flatten(self._outputs)
-
-  def _check_updates(self, scope, owned, before):
-    """The states' new values; ConfigError for what the scope would lose:
-    a loss added by a layer inside the unit, an assignment to the unit's
-    trainable weights or to a variable it does not own."""
-    layer = self.unit.layer.name
-    if scope.losses:
-      raise ConfigError(f"sharded weights: layer {layer} (or a layer "
-                        "inside it) adds a loss in its call (add_loss, or "
-                        "an inner layer's activity regularizer).")
-    after = [scope.get_current_value(v) for v in owned]
-    weights = len(self.unit.weights)
-    if any(a is not b for a, b in zip(after[:weights], before[:weights])):
-      raise ConfigError(f"sharded weights: layer {layer} assigns its own "
-                        "trainable weights in its call.")
-    if keras_context.assigned_count(scope) > len(owned):
-      raise ConfigError(
-          f"sharded weights: layer {layer} assigns a variable it does not "
-          "own (a layer's state outside it, or an unseeded keras.random "
-          "draw).")
-    return [(v, a) for v, a, b in zip(owned[weights:], after[weights:],
-                                      before[weights:]) if a is not b]
-
-  def gradients(self, inputs, weights, upstream):
-    """The gradients of the inputs (None for the non-float ones) and of
-    the weights, from the layer run again on `weights`."""
-    floating = [x for x in inputs if x.dtype.is_floating]
-    with tf.GradientTape() as tape:
-      tape.watch(floating + weights)
-      outputs = self.run(inputs, weights, replay=True)
-    grads = tape.gradient(outputs, floating + weights,
-                          output_gradients=upstream)
-    by_input = iter(grads[:len(floating)])
-    return ([next(by_input) if x.dtype.is_floating else None
-             for x in inputs], grads[len(floating):])
-
-  def finish(self, results):
-    """The call's outputs, structured as the layer's; the state's
-    updates assigned."""
-    results = results if isinstance(results, (list, tuple)) else [results]
-    for variable, value in self._updates:
-      variable.assign(value)
-    return tf.nest.pack_sequence_as(self._outputs, list(results))

@@ -12,6 +12,7 @@ from tfdist import checkpoints
 from tfdist import data
 from tfdist import optimizers
 from tfdist import replica_check
+from tfdist import sharded_params
 from tfdist import survivor as survivor_lib
 
 
@@ -72,7 +73,8 @@ def after_restore_fn(config, parts, store):
 def _run_state(parts, inputs):
   """Every variable of the run's state, as the checkpoint holds it (the
   model's weights, the optimizer's, the step and the input's own)."""
-  return [*parts.model.weights, *parts.optimizer.variables,
+  return [*sharded_params.held_weights(parts.model),
+          *parts.optimizer.variables,
           parts.global_step, *inputs.state.values()]
 
 
@@ -82,9 +84,8 @@ def survivor_state(config, info, parts, store, inputs):
   if not (config.survivor_state and info.peers) or info.coordinator:
     return None
   if parts.sharded:
-    logging.info("--survivor_state: with --shard_optimizer no worker holds "
-                 "the whole optimizer state; a lost peer resumes from the "
-                 "last checkpoint.")
+    logging.info("--survivor_state: with --shard no worker holds the whole "
+                 "state; a lost peer resumes from the last checkpoint.")
     return None
   return survivor_lib.SurvivorState(
       variables=_run_state(parts, inputs),

@@ -183,7 +183,7 @@ def _one_device(config, task):
 def _mirrored(config, task):
   del task
   import tensorflow as tf
-  if config.shard_optimizer:
+  if config.shard_optimizer or config.shard != "none":
     # The sharded update's collectives need TF's collective all-reduce.
     from tfdist import collectives  # pylint: disable=g-import-not-at-top
     return collectives.mirrored_with_collectives(

@@ -2,7 +2,7 @@
 run, against the default strategy's, on a model of ~100M parameters.
 
 python -m tools.bench_replica_memory [--rounds=1] [--steps=6]
-    [--configs=default,mwms,mwms_shard] [--timeline]
+    [--configs=default,mwms,mwms_shard,mwms_params] [--timeline]
 
 A user's 12-layer MLP (`mlp_100m`: 64 x 2,900, then 11 x 2,900 x 2,900,
 then 2,900 x 10 float32 weights, 92.8M parameters; with Adam 1.1 GB of
@@ -11,7 +11,8 @@ digits, in a fresh model_dir, as:
 - default: `python -m tfdist.train --strategy=default`, one process;
 - mwms: 2 MultiWorkerMirrored workers (`python -m launch.local
   --workers=2 --isolate=off`);
-- mwms_shard: the same with --shard_optimizer.
+- mwms_shard: the same with --shard_optimizer;
+- mwms_params: the same with --shard=params.
 Each is run again with a tiny model (`mlp_tiny`), and the growth is the
 difference of peak RSS (VmHWM, read from /proc every 0.1 s while the
 process lives): what the model costs, not TensorFlow's own start-up.
@@ -107,7 +108,8 @@ def _command(config, model, model_dir, data_dir, steps, extra_flags=()):
   if config == "default":
     return [sys.executable, "-m", "tfdist.train", *train,
             "--strategy=default"]
-  extra = ["--shard_optimizer"] if config == "mwms_shard" else []
+  extra = {"mwms_shard": ["--shard_optimizer"],
+           "mwms_params": ["--shard=params"]}.get(config, [])
   return [sys.executable, "-m", "launch.local", "--workers=2",
           "--isolate=off", "--", *train, "--strategy=multi_worker_mirrored",
           *extra]
@@ -166,7 +168,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=1)
   parser.add_argument("--steps", type=int, default=6)
-  parser.add_argument("--configs", default="default,mwms,mwms_shard")
+  parser.add_argument("--configs",
+                      default="default,mwms,mwms_shard,mwms_params")
   parser.add_argument("--timeline", action="store_true")
   parser.add_argument("--flags", default="",
                       help="more tfdist.train flags, space-separated")

@@ -12,7 +12,9 @@ all-reduce (ring), or tfdist's all-to-all reduce-scatter followed by the
 all-gather of the shards, the pair a sharded optimizer sends per step,
 or (`params`) the forward and backward of one layer whose --floats
 weights are sharded: gathered for the forward, gathered again for the
-backward, the gradient reduce-scattered (1.5x the ring's bytes).
+backward, the gradient reduce-scattered (1.5x the ring's bytes); or
+(`params_kept`) the same with reshard off: the forward's gathered weights
+kept for the backward (1.0x).
 Jobs of --short and --long exchanges cancel start-up: the difference in
 bytes over the difference in K is the cost of one exchange. Loopback
 counts each packet once: bytes per worker = total / workers. Prints each
@@ -27,7 +29,7 @@ import sys
 from . import worker_pair
 from .bench_allreduce import Namespace
 
-_MODES = ("all_reduce", "sharded", "params")
+_MODES = ("all_reduce", "sharded", "params", "params_kept")
 
 
 def parse_args(argv):
@@ -58,7 +60,8 @@ def worker(spec, floats):
       communication_options=tf.distribute.experimental.CommunicationOptions(
           implementation=tf.distribute.experimental.CommunicationImplementation.RING))
   shards = collectives.ShardCollectives(strategy, length=floats)
-  exchange = (_params_step(tf, strategy, floats) if mode == "params" else
+  exchange = (_params_step(tf, strategy, floats, reshard=mode == "params")
+              if mode.startswith("params") else
               _exchange(tf, strategy, mode, shards, flat_layout, floats))
   workers = len(ports.split(":"))
   for k in range(int(exchanges)):
@@ -84,7 +87,7 @@ def _exchange(tf, strategy, mode, shards, flat_layout, floats):
   return exchange
 
 
-def _params_step(tf, strategy, floats):
+def _params_step(tf, strategy, floats, reshard):
   """The forward and backward of a layer of `floats` sharded weights (1
   input, `floats` outputs, no bias): the sum of the summed gradient (the
   input is `scale`, so every weight's gradient is `scale` on each
@@ -97,7 +100,7 @@ def _params_step(tf, strategy, floats):
         floats, use_bias=False, kernel_initializer="ones")])
   sharded = sharded_params.ShardedParams(
       strategy=strategy, model=model,
-      make_optimizer=lambda: keras.optimizers.SGD(0.0))
+      make_optimizer=lambda: keras.optimizers.SGD(0.0), reshard=reshard)
 
   @tf.function
   def step(scale):
@@ -148,7 +151,10 @@ def main(argv=None):
             f"the bound), reduce-scatter + all-gather "
             f"{per_worker['sharded']:.0f} ({per_worker['sharded'] / ring:.3f}"
             f"x), sharded weights' step {per_worker['params']:.0f} "
-            f"({per_worker['params'] / ring:.3f}x) bytes/worker", flush=True)
+            f"({per_worker['params'] / ring:.3f}x), kept "
+            f"{per_worker['params_kept']:.0f} "
+            f"({per_worker['params_kept'] / ring:.3f}x) bytes/worker",
+            flush=True)
   for mode, values in ratios.items():
     print(f"{mode} / all-reduce, median [min-max] of {args.rounds}: "
           f"{statistics.median(values):.3f} [{min(values):.3f}-"
