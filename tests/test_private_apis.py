@@ -68,7 +68,7 @@ def test_a_layer_runs_the_call_set_on_it_over_released_storage():
   kernel._value = sharded_params._ReleasedWeight(  # pylint: disable=protected-access
       None, "kernel", kernel)
   assert tuple(kernel.shape) == (3, 2), VERSIONS
-  with pytest.raises(Exception, match="sharded over the replicas"):
+  with pytest.raises(Exception, match="outside its own layer.s call"):
     layer(tf.ones([1, 3]))
   original, calls = layer.call, []
 

@@ -123,8 +123,10 @@ def test_resume_sharded_unsharded_sharded_across_replica_counts(
   _train(chain, data_dir, 10, "--strategy=mirrored", "--num_cpu_devices=2",
          shard)
   _train(chain, data_dir, 20)
+  # --shard=gradients is the same update as --shard_optimizer.
   last = _train(chain, data_dir, 30, "--strategy=mirrored",
-                "--num_cpu_devices=4", shard)
+                "--num_cpu_devices=4",
+                "--shard=gradients" if shard == "--shard_optimizer" else shard)
   assert "Resumed from" in last.stderr and "at step 20" in last.stderr
   _assert_same_checkpoint(chain, tmp_path / "straight")
 
@@ -138,14 +140,16 @@ def test_params_eval_and_export_match_one_device(tmp_path, data_dir):
     proc = _train(tmp_path / name, data_dir, 10, "--export",
                   "--optimizer=momentum", *extra)
     [line] = [l for l in proc.stderr.splitlines() if "eval  step 10" in l]
+    metrics = [float(x) for x in re.findall(r"(?:accuracy|loss) ([0-9.]+)",
+                                            line)]
     serve = tf.saved_model.load(
         str(tmp_path / name / "export")).signatures["serving_default"]
     [(input_name, spec)] = serve.structured_input_signature[1].items()
     outputs = serve(**{input_name: tf.random.stateless_uniform(
         [5, *spec.shape[1:]], seed=[1, 2], dtype=spec.dtype)})
-    runs[name] = (line.split("eval  step 10:")[1],
-                  next(iter(outputs.values())).numpy())
-  assert runs["params"][0] == runs["one"][0]
+    runs[name] = (metrics, next(iter(outputs.values())).numpy())
+  assert len(runs["one"][0]) == 2
+  np.testing.assert_allclose(runs["params"][0], runs["one"][0], rtol=1e-4)
   np.testing.assert_allclose(runs["params"][1], runs["one"][1], rtol=1e-5,
                              atol=1e-6)
 
@@ -170,6 +174,20 @@ def test_params_eval_and_export_match_one_device(tmp_path, data_dir):
     (["--shard=params", "--strategy=mirrored", "--sync_batchnorm",
       "--mixed_precision=mixed_bfloat16"],
      "Received: mixed_precision=mixed_bfloat16, sync_batchnorm=True"),
+    (["--shard_optimizer", "--noreshard_after_forward"],
+     "Received: reshard_after_forward=False with shard=optimizer"),
+    # Found when the model's forward is traced, before any step.
+    (["--shard=params", "--strategy=mirrored", "--num_cpu_devices=2",
+      "--model=tests.sharded_models:tied"],
+     "sharded weights: tied/dense/kernel is read or set outside its own "
+     "layer's call"),
+    (["--shard=params", "--strategy=mirrored", "--num_cpu_devices=2",
+      "--model=tests.sharded_models:random_inside"],
+     "draws TF stateful random numbers (RandomUniform)"),
+    (["--shard=params", "--strategy=mirrored", "--num_cpu_devices=2",
+      "--callbacks=tests.sharded_models:keeps_best_weights"],
+     "EarlyStopping(restore_best_weights=True) keeps the model's whole "
+     "weights"),
 ])
 def test_what_sharding_cannot_do_is_one_line(tmp_path, data_dir, extra,
                                              message):
@@ -210,9 +228,11 @@ def test_a_variable_the_loss_never_reaches_keeps_its_weights(tmp_path):
 
 
 def test_params_clip_by_the_summed_gradients_global_norm(tmp_path, data_dir):
-  # The norm is the whole summed gradient's, from every unit's shards.
+  # The norm is the whole summed gradient's, from every unit's shards;
+  # the gathered weights kept for the backward (reshard off).
   clip = ["--optimizer=momentum", "--learning_rate=0.05", "--clip_norm=0.05"]
   _train(tmp_path / "one", data_dir, 10, *clip)
   _train(tmp_path / "params", data_dir, 10, *clip, "--strategy=mirrored",
-         "--num_cpu_devices=2", "--shard=params")
+         "--num_cpu_devices=2", "--shard=params",
+         "--noreshard_after_forward")
   _assert_same_checkpoint(tmp_path / "params", tmp_path / "one")

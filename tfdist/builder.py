@@ -127,7 +127,7 @@ def _model_and_optimizer(config, info, task, sample):
   holds the optimizer's state (and with --shard=params, the weights)
   instead."""
   strategy = info.strategy
-  stage = preflight.shard_stage(config, info)
+  stage = preflight.sharding(config, info)
   with strategy.scope():
     model = model_setup.build_model(config, task, sample)
     if config.sync_batchnorm:
@@ -146,6 +146,8 @@ def _model_and_optimizer(config, info, task, sample):
   # Before sharding releases the weights.
   example = model_setup.check_model_fits_data(task, model, sample)
   sharded = _sharded(config, stage, strategy, model, optimizer, schedule)
+  if stage == "params":
+    model_setup.check_sharded_forward(strategy, model, sharded, sample[0])
   if config.allreduce_compression != "none" and info.num_replicas > 1:
     logging.info("%s.", reducer.describe())
   return _Parts(model=model, optimizer=optimizer, schedule=schedule,
@@ -301,7 +303,20 @@ class _RunParts:
   survivor: object  # A survivor_lib.SurvivorState, or None.
 
 
+def _check_callbacks_for_sharding(config, info, callbacks):
+  """A callback that keeps the model's weights (get_weights) cannot read
+  sharded ones."""
+  keeps = [type(c).__name__ for c in callbacks
+           if getattr(c, "restore_best_weights", False)]
+  if keeps and preflight.sharding(config, info) == "params":
+    raise ConfigError(
+        f"--shard=params: {', '.join(keeps)}(restore_best_weights=True) "
+        "keeps the model's whole weights, which no replica holds; use "
+        "--best_metric (the best checkpoint) instead.")
+
+
 def _run_parts(config, info, task, *, write_dir, callbacks):
+  _check_callbacks_for_sharding(config, info, callbacks)
   local = devices.local_devices()
   preflight.check_run(config, info, local)
   inputs = _inputs(config, info, task)

@@ -3,6 +3,8 @@ model-parallel plan) from the run's seed, checked against the data in one
 line, and what its variables and optimizer state weigh on each device.
 """
 
+import re
+
 from absl import logging
 import keras
 import tensorflow as tf
@@ -145,6 +147,33 @@ def check_model_fits_data(task, model, sample):
     raise ConfigError(f"the labels do not fit the loss of "
                       f"{task.display_name!r}: {errors.first_line(e, 240)}") from None
   return labels, outputs
+
+
+def check_sharded_forward(strategy, model, sharded, features):
+  """--shard=params: traces (does not run) the model's training forward
+  on gathered weights, so that what the units refuse (a weight read
+  outside its layer's call, a stateful random op) is one line before the
+  first step, not a traceback in it. Keras and autograph wrap the error:
+  its own line is found in the message."""
+  @tf.function
+  def forward():
+    def replica_fn():
+      with sharded.gathering():
+        return model(features, training=True)
+    return strategy.run(replica_fn)
+
+  try:
+    forward.get_concrete_function()
+  except Exception as e:  # Keras re-raises what a layer raised, wrapped.
+    if _lost_peer(e):
+      raise
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
+             for line in str(e).splitlines()]
+    own = [line for line in lines if "sharded weights:" in line]
+    raise ConfigError(
+        own[0][own[0].index("sharded weights:"):] if own else
+        f"--shard=params: the model does not run on gathered weights: "
+        f"{errors.first_line(e, 240)}") from None
 
 
 def check_integer_labels(labels):

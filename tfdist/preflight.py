@@ -38,7 +38,7 @@ def jit_mode(config, info, local_devices):
   return "forward"
 
 
-def shard_stage(config, info):
+def sharding(config, info):
   """What this process's update shards (tfdist.config.shard_stage): a
   sidecar evaluator trains nothing, so none."""
   if info.reason == "sidecar evaluator":
@@ -65,7 +65,7 @@ def check_run(config, info, local_devices):
         "the forward pass with XLA, which has no CPU collectives. Received: "
         f"sync_batchnorm=True with strategy={info.name}"
         + (", jit_compile=True" if mode == "forward" else ""))
-  if shard_stage(config, info) != "none" and info.name not in (
+  if sharding(config, info) != "none" and info.name not in (
       "mirrored", "multi_worker_mirrored"):
     raise ConfigError(
         f"{config_lib.shard_flag(config)} splits the training state over "

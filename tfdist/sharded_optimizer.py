@@ -152,12 +152,14 @@ def share_restored(strategy, restored, entries, differs_here):
     return {}
   if not needed:
     return restored
-  layout = flat_layout.FlatLayout([shape for _, shape in entries])
-  mine = np.zeros([layout.size], np.float32)
-  if restored:
-    mine[:] = layout.flatten_numpy([restored[key] for key, _ in entries])
-  shared = layout.unflatten_numpy(_from_replica_zero(strategy, mine))
-  return {key: value for (key, _), value in zip(entries, shared)}
+  # An entry at a time: the whole state once (what this worker read, then
+  # the chief's), not a flat copy of it and the all-reduce's buffers too.
+  shared, read_here = {}, bool(restored)
+  for key, shape in entries:
+    mine = (np.asarray(restored.pop(key), np.float32) if read_here
+            else np.zeros(shape, np.float32))
+    shared[key] = _from_replica_zero(strategy, mine)
+  return shared
 
 
 class ShardedUpdate:

@@ -35,6 +35,7 @@ import tensorflow as tf
 from tfdist import collectives
 from tfdist import sharded_optimizer
 from tfdist import units as units_lib
+from tfdist.errors import ConfigError
 
 
 class _ReleasedWeight(tf.__internal__.tracking.Trackable):
@@ -56,11 +57,13 @@ class _ReleasedWeight(tf.__internal__.tracking.Trackable):
 
   def __tf_tensor__(self, *args, **kwargs):
     del args, kwargs
-    raise RuntimeError(
-        f"{self._path} is sharded over the replicas (--shard=params): "
-        "read it inside ShardedParams.gathering() or whole_weights().")
+    raise ConfigError(
+        f"sharded weights: {self._path} is read or set outside its own "
+        "layer's call (weight tying, get_weights, set_weights), but only "
+        "that call sees it whole.")
 
-  __array__ = numpy = read_value = __tf_tensor__
+  __array__ = numpy = read_value = assign = assign_add = assign_sub = (
+      __tf_tensor__)
 
   @property
   def _shared_name(self):
@@ -187,12 +190,22 @@ class ShardedParams:
   def gathered_weights(self):
     """Every unit's whole weights, as numpy arrays in the units' order
     (all-gathered: every worker calls this together)."""
-    return [[w.numpy() for w in unit]
-            for unit in self._gathered_state(slots=False)[0]]
+    return [[w.numpy() for w in self._whole_unit(u)]
+            for u in range(len(self.units))]
 
-  def _gathered_state(self, slots):
+  def _whole_unit(self, u):
+    """Unit `u`'s whole weights, as tensors."""
+    @tf.function
+    def gather():
+      def replica_fn():
+        return self._gather(u, self.variables()[u].read_value())
+      return self._strategy.experimental_local_results(
+          self._strategy.run(replica_fn))[0]
+    return gather()
+
+  def _gathered_state(self):
     """([unit][weight], [unit][slot kind][weight]) whole, as tensors."""
-    count = self._slot_count() if slots else 0
+    count = self._slot_count()
 
     @tf.function
     def gather():
@@ -215,8 +228,8 @@ class ShardedParams:
     hold their whole weights (not the optimizer's state), as for an
     export."""
     released = [(w, w._value) for unit in self.units for w in unit.weights]  # pylint: disable=protected-access
-    for unit, values in zip(self.units, self.gathered_weights()):
-      for weight, value in zip(unit.weights, values):
+    for u, unit in enumerate(self.units):  # A unit's gather at a time.
+      for weight, value in zip(unit.weights, self._whole_unit(u)):
         with tf.init_scope():
           weight._value = tf.Variable(value, name=weight.name)  # pylint: disable=protected-access
     try:
@@ -253,7 +266,7 @@ class ShardedParams:
     """Around a checkpoint save (every worker saves together): every
     unit's weights and slots are gathered first. The save holds the whole
     state once (TF's saver takes every tensor before it writes)."""
-    weights, unit_slots = self._gathered_state(slots=True)
+    weights, unit_slots = self._gathered_state()
     self._gathered = {}
     for u, values in enumerate(weights):
       for i, value in enumerate(values):

@@ -79,6 +79,16 @@ def plan_units(model):
   return units
 
 
+# TF's stateful random ops (each run draws anew).
+_STATEFUL_RANDOM = frozenset({
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
+    "TruncatedNormal", "ParameterizedTruncatedNormal", "RandomShuffle",
+    "Multinomial", "RandomGamma", "RandomPoisson", "RandomPoissonV2",
+    "StatefulUniform", "StatefulUniformInt", "StatefulUniformFullInt",
+    "StatefulStandardNormalV2", "StatefulTruncatedNormal",
+    "StatefulRandomBinomial"})
+
+
 class UnitCall:
   """One call of a unit's layer: its arguments, with each distinct input
   tensor once (attention's query and value, passed as one tensor, would
@@ -119,9 +129,12 @@ class UnitCall:
         return tf.nest.flatten(self._original(*args, **kwargs))
     owned = self.unit.weights + self.unit.states
     before = [scope.get_current_value(v) for v in owned]
+    graph = tf.compat.v1.get_default_graph()
+    ops_before = len(graph.get_operations())
     with scope:
       self._outputs = self._original(*args, **kwargs)
     self._updates = self._check_updates(scope, owned, before)
+    self._check_random(graph.get_operations()[ops_before:])
     return tf.nest.flatten(self._outputs)
 
   def _check_updates(self, scope, owned, before):
@@ -145,6 +158,18 @@ class UnitCall:
           "draw).")
     return [(v, a) for v, a, b in zip(owned[weights:], after[weights:],
                                       before[weights:]) if a is not b]
+
+  def _check_random(self, ops):
+    """ConfigError for a TF stateful random op traced in the call
+    (tf.nn.dropout, tf.random.uniform): the backward's second run would
+    draw another mask. Keras's seeded ops are stateless (and mapped)."""
+    drawn = sorted({op.type for op in ops if op.type in _STATEFUL_RANDOM})
+    if drawn:
+      raise ConfigError(
+          f"sharded weights: layer {self.unit.layer.name} draws TF stateful "
+          f"random numbers ({', '.join(drawn)}), which its backward's second "
+          "run would draw again, differently; use keras.layers.Dropout or "
+          "keras.random with a SeedGenerator.")
 
   def gradients(self, inputs, weights, upstream):
     """The gradients of the inputs (None for the non-float ones) and of

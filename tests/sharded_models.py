@@ -1,0 +1,45 @@
+"""Models that --shard=params refuses (tests/test_shard_optimizer.py):
+one reads a layer's weight outside that layer's call (weight tying), one
+draws a TF stateful random mask inside a unit."""
+
+import keras
+import tensorflow as tf
+
+
+class Tied(keras.Model):
+  """Reads a layer's weight outside that layer's call (weight tying)."""
+
+  def __init__(self):
+    super().__init__()
+    self.flat = keras.layers.Flatten()
+    self.up = keras.layers.Dense(16)
+    self.out = keras.layers.Dense(10)
+
+  def call(self, x):
+    h = self.up(self.flat(x))
+    h = h + tf.reduce_sum(self.up.kernel)
+    return self.out(h)
+
+
+class RandomInside(keras.layers.Layer):
+  def build(self, shape):
+    self.kernel = self.add_weight(shape=(shape[-1], 10))
+
+  def call(self, x, training=None):
+    if training:
+      x = tf.nn.dropout(x, 0.5)
+    return tf.matmul(x, self.kernel)
+
+
+def tied():
+  return Tied()
+
+
+def random_inside():
+  return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                           RandomInside()])
+
+
+def keeps_best_weights():
+  """--callbacks: a callback that keeps the model's whole weights."""
+  return [keras.callbacks.EarlyStopping(restore_best_weights=True)]
