@@ -346,7 +346,7 @@ def check_params(strategy, name):
   """Fully sharded weights: a plain MLP gives one device's weights; a
   model with a shared layer, BatchNorm and dropout gives the unsharded
   run's weights and statistics on the same strategy."""
-  from tfdist import sharded_params  # pylint: disable=g-import-not-at-top
+  from tfdist import released  # pylint: disable=g-import-not-at-top
   make_optimizer = _optimizer_factory(name)
   reference, _ = _one_device(make_optimizer, 0.0)
   _, sharded = _train_params(strategy, _model, make_optimizer)
@@ -362,7 +362,7 @@ def check_params(strategy, name):
     layered, layered_sharded = _train_params(
         strategy, _layered_model, make_optimizer, prefetch, reshard)
     got = [w for unit in layered_sharded.gathered_weights() for w in unit]
-    held = {id(v) for v in sharded_params.held_weights(layered)}
+    held = {id(v) for v in released.held_weights(layered)}
     assert not held & {id(v) for v in layered.trainable_variables}, (
         "the whole weights are released")
     # The two models are built alike: their weights match by position.

@@ -61,11 +61,11 @@ def test_a_layer_runs_the_call_set_on_it_over_released_storage():
   StatelessScope, and frees a Keras variable's storage by replacing its
   `_value` (its shape must stay the layer's, and a read outside the
   scope must fail, not use stale values)."""
-  from tfdist import sharded_params  # pylint: disable=g-import-not-at-top
+  from tfdist import released  # pylint: disable=g-import-not-at-top
   layer = keras.layers.Dense(2)
   layer.build((None, 3))
   kernel, bias = layer.kernel, layer.bias
-  kernel._value = sharded_params._ReleasedWeight(  # pylint: disable=protected-access
+  kernel._value = released.ReleasedWeight(  # pylint: disable=protected-access
       None, "kernel", kernel)
   assert tuple(kernel.shape) == (3, 2), VERSIONS
   with pytest.raises(Exception, match="outside its own layer.s call"):
@@ -88,7 +88,7 @@ def test_a_keras_variable_saves_and_restores_through_its_value(tmp_path):
   (Keras's TF Variable delegates _serialize_to_tensors and
   _restore_from_tensors to it): tfdist.sharded_params saves a sharded
   weight whole, and restores it into the shards, through that."""
-  from tfdist import sharded_params  # pylint: disable=g-import-not-at-top
+  from tfdist import released  # pylint: disable=g-import-not-at-top
 
   class Owner:
     def __init__(self, value):
@@ -102,7 +102,7 @@ def test_a_keras_variable_saves_and_restores_through_its_value(tmp_path):
   layer.build((None, 3))
   path = tf.train.Checkpoint(layer=layer).write(str(tmp_path / "plain"))
   saving = Owner(tf.fill([3, 2], 7.0))
-  layer.kernel._value = sharded_params._ReleasedWeight(  # pylint: disable=protected-access
+  layer.kernel._value = released.ReleasedWeight(  # pylint: disable=protected-access
       saving, "kernel", layer.kernel)
   sharded = tf.train.Checkpoint(layer=layer).write(str(tmp_path / "sharded"))
   reader = tf.train.load_checkpoint(sharded)
@@ -111,7 +111,7 @@ def test_a_keras_variable_saves_and_restores_through_its_value(tmp_path):
   [key] = [k for k in reader.get_variable_to_shape_map() if "kernel" in k]
   np.testing.assert_array_equal(reader.get_tensor(key), 7.0)
   restoring = Owner(tf.zeros([3, 2]))
-  layer.kernel._value = sharded_params._ReleasedWeight(  # pylint: disable=protected-access
+  layer.kernel._value = released.ReleasedWeight(  # pylint: disable=protected-access
       restoring, "kernel", layer.kernel)
   tf.train.Checkpoint(layer=layer).read(sharded).assert_consumed()
   np.testing.assert_array_equal(restoring.restored["kernel"], 7.0)

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tfdist import collectives
+from tfdist import released
 from tfdist import sharded_params
 from tfdist import units
 from tfdist.errors import ConfigError
@@ -122,7 +123,7 @@ def test_a_released_weight_is_not_read_outside_gathering():
     model.get_weights()
   with pytest.raises(ConfigError, match="outside its own layer.s call"):
     model.set_weights([w + 1 for w in whole])
-  assert sharded_params.held_weights(model) == []
+  assert released.held_weights(model) == []
   [gathered] = sharded.gathered_weights()
   for got, want in zip(gathered, whole, strict=True):
     assert (got == want).all()

@@ -29,6 +29,7 @@ from tfdist import model_setup
 from tfdist import export
 from tfdist import optimizers
 from tfdist import preflight
+from tfdist import released
 from tfdist import replica_check
 from tfdist import runners
 from tfdist import sharded_optimizer
@@ -216,7 +217,7 @@ def _startup_scalars(info, parts):
   scalars.update(model_setup.memory_per_device(
       parts.model, parts.optimizer, info.strategy,
       shard_optimizers=sharded.optimizers if sharded else (),
-      weights=[*sharded_params.held_weights(parts.model),
+      weights=[*released.held_weights(parts.model),
                *(s for shards in getattr(sharded, "weight_shards", ())
                  for s in shards)]))
   return scalars
@@ -303,20 +304,9 @@ class _RunParts:
   survivor: object  # A survivor_lib.SurvivorState, or None.
 
 
-def _check_callbacks_for_sharding(config, info, callbacks):
-  """A callback that keeps the model's weights (get_weights) cannot read
-  sharded ones."""
-  keeps = [type(c).__name__ for c in callbacks
-           if getattr(c, "restore_best_weights", False)]
-  if keeps and preflight.sharding(config, info) == "params":
-    raise ConfigError(
-        f"--shard=params: {', '.join(keeps)}(restore_best_weights=True) "
-        "keeps the model's whole weights, which no replica holds; use "
-        "--best_metric (the best checkpoint) instead.")
-
-
 def _run_parts(config, info, task, *, write_dir, callbacks):
-  _check_callbacks_for_sharding(config, info, callbacks)
+  if preflight.sharding(config, info) == "params":
+    callbacks_lib.check_sharded_weights(callbacks)
   local = devices.local_devices()
   preflight.check_run(config, info, local)
   inputs = _inputs(config, info, task)
@@ -388,7 +378,7 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
                                       parts.schedule),
       replica_checker=(replica_check.ReplicaChecker(
           strategy=info.strategy,
-          variables=sharded_params.held_weights(model),
+          variables=released.held_weights(model),
           replicas_per_worker=max(info.num_replicas // info.num_workers, 1))
                        if config.check_replicas_every else None),
       export_fn=run.export_fn,

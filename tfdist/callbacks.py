@@ -66,6 +66,18 @@ def check(callbacks):
   return callbacks
 
 
+def check_sharded_weights(callbacks):
+  """--shard=params: a callback that keeps the model's weights
+  (get_weights) cannot read sharded ones."""
+  keeps = [type(c).__name__ for c in callbacks
+           if getattr(c, "restore_best_weights", False)]
+  if keeps:
+    raise ConfigError(
+        f"--shard=params: {', '.join(keeps)}(restore_best_weights=True) "
+        "keeps the model's whole weights, which no replica holds; use "
+        "--best_metric (the best checkpoint) instead.")
+
+
 def rate_variable(optimizer):
   """The optimizer's learning rate when it is a variable (a constant
   rate), else None (a schedule: a callback cannot set it)."""

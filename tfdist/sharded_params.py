@@ -33,48 +33,9 @@ import threading
 import tensorflow as tf
 
 from tfdist import collectives
+from tfdist import released
 from tfdist import sharded_optimizer
 from tfdist import units as units_lib
-from tfdist.errors import ConfigError
-
-
-class _ReleasedWeight(tf.__internal__.tracking.Trackable):
-  """What a released Keras variable holds in place of its value: its
-  checkpoint entry, whole (gathered while saving; what a restore reads
-  is kept for the shards). Read elsewhere, it says why it cannot be."""
-
-  def __init__(self, owner, key, variable):
-    self._owner, self._key = owner, key
-    self.shape, self.dtype = variable.shape, variable.dtype
-    self._path = variable.path
-
-  def _serialize_to_tensors(self):
-    return {"VARIABLE_VALUE": self._owner.whole(self._key)}
-
-  def _restore_from_tensors(self, restored_tensors):
-    self._owner.restored[self._key] = restored_tensors["VARIABLE_VALUE"]
-    return tf.no_op()
-
-  def __tf_tensor__(self, *args, **kwargs):
-    del args, kwargs
-    raise ConfigError(
-        f"sharded weights: {self._path} is read or set outside its own "
-        "layer's call (weight tying, get_weights, set_weights), but only "
-        "that call sees it whole.")
-
-  __array__ = numpy = read_value = assign = assign_add = assign_sub = (
-      __tf_tensor__)
-
-  @property
-  def _shared_name(self):
-    return self._path
-
-
-def held_weights(model):
-  """The model's weights whose values it holds: all but those a
-  ShardedParams released."""
-  return [w for w in model.weights
-          if not isinstance(getattr(w, "_value", None), _ReleasedWeight)]
 
 
 class ShardedParams:
@@ -145,7 +106,7 @@ class ShardedParams:
 
   def _release(self, u):
     for i, variable in enumerate(self.units[u].weights):
-      variable._value = _ReleasedWeight(self, ("w", u, i), variable)  # pylint: disable=protected-access
+      variable._value = released.ReleasedWeight(self, ("w", u, i), variable)  # pylint: disable=protected-access
 
   @property
   def weight_shards(self):

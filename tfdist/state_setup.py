@@ -12,7 +12,7 @@ from tfdist import checkpoints
 from tfdist import data
 from tfdist import optimizers
 from tfdist import replica_check
-from tfdist import sharded_params
+from tfdist import released
 from tfdist import survivor as survivor_lib
 
 
@@ -73,7 +73,7 @@ def after_restore_fn(config, parts, store):
 def _run_state(parts, inputs):
   """Every variable of the run's state, as the checkpoint holds it (the
   model's weights, the optimizer's, the step and the input's own)."""
-  return [*sharded_params.held_weights(parts.model),
+  return [*released.held_weights(parts.model),
           *parts.optimizer.variables,
           parts.global_step, *inputs.state.values()]
 
