@@ -22,7 +22,7 @@ How one call of a unit runs on given weights, its other state (BatchNorm
 statistics, a dropout seed) included: tfdist.units.
 
 The whole weights are released once sharded; a checkpoint still saves
-them whole, under an unsharded run's keys (_ReleasedWeight), and the
+them whole, under an unsharded run's keys (tfdist.released), and the
 optimizer's slots too (`checkpoint_view`), so a run resumes on any N,
 sharded or not.
 """
@@ -93,7 +93,7 @@ class ShardedParams:
   def _shard_unit(self, u, devices, release):
     """Each local replica's shard of unit `u`, from the model's weights;
     then, with `release`, the whole weights are freed: each Keras
-    variable holds a _ReleasedWeight instead, which a checkpoint saves
+    variable holds a released.ReleasedWeight instead, which a checkpoint saves
     whole and a read outside `gathering()` refuses."""
     unit, shards = self.units[u], self._collectives[u]
     flat = unit.layout.flatten_numpy([v.numpy() for v in unit.weights])
@@ -188,7 +188,7 @@ class ShardedParams:
     """Within (every worker enters it together): the model's variables
     hold their whole weights (not the optimizer's state), as for an
     export."""
-    released = [(w, w._value) for unit in self.units for w in unit.weights]  # pylint: disable=protected-access
+    held = [(w, w._value) for unit in self.units for w in unit.weights]  # pylint: disable=protected-access
     for u, unit in enumerate(self.units):  # A unit's gather at a time.
       for weight, value in zip(unit.weights, self._whole_unit(u)):
         with tf.init_scope():
@@ -196,7 +196,7 @@ class ShardedParams:
     try:
       yield
     finally:
-      for weight, value in released:
+      for weight, value in held:
         weight._value = value  # pylint: disable=protected-access
 
   # Checkpoints: the layout of an unsharded run ---------------------------
@@ -207,7 +207,7 @@ class ShardedParams:
 
   def checkpoint_view(self, optimizer, variables):
     """What goes into the checkpoint as `optimizer` (the model's weights
-    save themselves, whole, through their _ReleasedWeight)."""
+    save themselves, whole, through their ReleasedWeight)."""
     return sharded_optimizer.checkpoint_view(self, optimizer, variables,
                                              self._slot_count())
 
