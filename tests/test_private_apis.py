@@ -495,3 +495,64 @@ def test_a_parameter_server_dataset_function_finds_its_worker():
   assert callable(
       tf.distribute.coordinator.experimental_get_current_worker_index), (
           VERSIONS)
+
+
+class _PiecewiseEntry(tf.__internal__.tracking.Trackable):
+  """A checkpoint entry of a sharded run, as tfdist.released's."""
+
+  def __init__(self, save, value):
+    self._save, self._value = save, value
+
+  def _serialize_to_tensors(self):
+    return {"VARIABLE_VALUE": self._save.entry("entry", tf.float32)}
+
+  @property
+  def _shared_name(self):
+    return "entry"
+
+
+def test_a_value_less_save_spec_is_keyed_and_written_after(tmp_path):
+  """tfdist.piecewise_save: TF's saver records a SaveSpec whose tensor is
+  None in the object graph, names it with its checkpoint key and writes
+  no value; a write callback runs before the manager names the
+  checkpoint the latest; what it merges in, a plain variable restores
+  (assert_consumed: every key in place). A failed write leaves the
+  checkpoint before as the latest, and no piece behind."""
+  from tfdist import piecewise_save  # pylint: disable=g-import-not-at-top
+  value = np.arange(6, dtype=np.float32).reshape(2, 3)
+  device = tf.Variable(0.0).device
+  manager = tf.train.CheckpointManager(
+      tf.train.Checkpoint(step=tf.Variable(1), entry=_PiecewiseEntry(
+          None, value)), str(tmp_path), max_to_keep=3)
+  seen = {}
+
+  def save(step, fail=False):
+    entry = manager.checkpoint.entry
+    entry._save = piecewise_save.PiecewiseSave(device=device)
+
+    def write(path):
+      seen["latest"] = manager.latest_checkpoint
+      seen["before"] = dict(tf.train.list_variables(path))
+      pieces = [{"entry": tf.constant(value)}]
+      if fail:
+        pieces.append({"entry": None})
+      entry._save.write(path, iter(pieces))
+
+    return manager.save(step, options=tf.train.CheckpointOptions(
+        experimental_write_callbacks=[write]))
+
+  path = save(1)
+  key = "entry/.ATTRIBUTES/VARIABLE_VALUE"
+  assert seen["latest"] is None, VERSIONS
+  assert key not in seen["before"] and "step" in str(seen["before"])
+  assert dict(tf.train.list_variables(path))[key] == [2, 3], VERSIONS
+  restored = tf.train.Checkpoint(step=tf.Variable(0),
+                                 entry=tf.Variable(tf.zeros([2, 3])))
+  restored.restore(path).assert_consumed()
+  np.testing.assert_array_equal(restored.entry.numpy(), value)
+  with pytest.raises(Exception):
+    save(2, fail=True)
+  assert tf.train.latest_checkpoint(str(tmp_path)) == path, VERSIONS
+  assert not [p for p in os.listdir(tmp_path) if "_piece" in p or
+              "_merged" in p]
+

@@ -80,7 +80,9 @@ class CheckpointStore:
     restored. `optional`: {name: trackable}, saved too, and restored when
     a checkpoint holds it (one written before it was kept still
     restores). `saving()`: a context around each save (a sharded
-    optimizer gathers its state in it)."""
+    optimizer gathers its state in it); what it gives, if anything, is
+    called with the checkpoint's path once TF has written it, before it
+    is named the latest (tfdist.piecewise_save)."""
     self._optional = dict(optional or {})
     self._required = tf.train.Checkpoint(**objects)
     checkpoint = tf.train.Checkpoint(**objects, **self._optional)
@@ -201,8 +203,12 @@ class CheckpointStore:
     the temp directory is removed and the previous checkpoint stays latest.
     """
     try:
-      with self._saving():
-        path = self._manager.save(checkpoint_number=step)
+      with self._saving() as write_rest:
+        # A sharded run writes its sharded entries after TF's save and
+        # before the manager names the checkpoint the latest.
+        options = write_rest and tf.train.CheckpointOptions(
+            experimental_write_callbacks=[write_rest])
+        path = self._manager.save(checkpoint_number=step, options=options)
     except (tf.errors.OpError, OSError) as e:
       if runners.is_collective_failure(e):
         raise  # A peer lost in a sharded save's gather: not the disk.

@@ -33,6 +33,7 @@ import threading
 import tensorflow as tf
 
 from tfdist import collectives
+from tfdist import piecewise_save
 from tfdist import released
 from tfdist import sharded_optimizer
 from tfdist import units as units_lib
@@ -70,7 +71,8 @@ class ShardedParams:
     where = {id(w): (u, i) for u, unit in enumerate(self.units)
              for i, w in enumerate(unit.weights)}
     self._model_order = [where[id(w)] for w in model.trainable_variables]
-    self._gathered = None  # {key: whole value} while saving.
+    self._piecewise = None  # A piecewise_save.PiecewiseSave while saving.
+    self._unit_state_fn = tf.function(self._gather_unit_state)
     self.restored = {}  # {key: value} from a restore.
     self._collectives = [collectives.ShardCollectives(
         strategy, length=u.layout.size, bucket_elements=u.layout.size)
@@ -164,24 +166,26 @@ class ShardedParams:
           self._strategy.run(replica_fn))[0]
     return gather()
 
-  def _gathered_state(self):
-    """([unit][weight], [unit][slot kind][weight]) whole, as tensors."""
-    count = self._slot_count()
+  def _unit_state(self, u):
+    """{key: whole value} of unit `u`'s weights and slots, as tensors."""
+    at = {ui: v for v, ui in enumerate(self._model_order)}
+    count = len(self.units[u].weights)
+    values = self._unit_state_fn(u)
+    return {**{("w", u, i): values[i] for i in range(count)},
+            **{(at[(u, i)], k): values[count * (k + 1) + i]
+               for k in range(self._slot_count()) for i in range(count)}}
 
-    @tf.function
-    def gather():
-      def replica_fn():
-        local = self._local()
-        mine = self.shards[local]
-        held = sharded_optimizer.slots(self.optimizers[local])
-        return ([self._gather(u, mine[u].read_value())
-                 for u in range(len(self.units))],
-                [[self._gather(u, tf.convert_to_tensor(held[u * count + k]))
-                  for k in range(count)] for u in range(len(self.units))])
-      return self._strategy.experimental_local_results(
-          self._strategy.run(replica_fn))[0]
-
-    return gather()
+  def _gather_unit_state(self, u):
+    """Traced once per unit: its weights, then each slot kind's."""
+    def replica_fn():
+      local = self._local()
+      held = sharded_optimizer.slots(self.optimizers[local])
+      count = self._slot_count()
+      flats = [self.shards[local][u].read_value()] + [
+          tf.convert_to_tensor(held[u * count + k]) for k in range(count)]
+      return [w for flat in flats for w in self._gather(u, flat)]
+    return self._strategy.experimental_local_results(
+        self._strategy.run(replica_fn))[0]
 
   @contextlib.contextmanager
   def whole_weights(self):
@@ -212,10 +216,10 @@ class ShardedParams:
                                              self._slot_count())
 
   def whole(self, key):
-    """The whole value saved under `key` while saving; zeros otherwise (a
-    restore only asks for the shape and dtype)."""
-    if self._gathered is not None:
-      return self._gathered[key]
+    """While saving, a value-less entry whose value `saving()` writes
+    later; zeros otherwise (a restore only asks for the shape and dtype)."""
+    if self._piecewise is not None:
+      return self._piecewise.entry(key, tf.float32)
     u, i = key[1:] if key[0] == "w" else self._model_order[key[0]]
     return tf.zeros(self.units[u].weights[i].shape, tf.float32)
 
@@ -224,21 +228,21 @@ class ShardedParams:
 
   @contextlib.contextmanager
   def saving(self):
-    """Around a checkpoint save (every worker saves together): every
-    unit's weights and slots are gathered first. The save holds the whole
-    state once (TF's saver takes every tensor before it writes)."""
-    weights, unit_slots = self._gathered_state()
-    self._gathered = {}
-    for u, values in enumerate(weights):
-      for i, value in enumerate(values):
-        self._gathered[("w", u, i)] = value
-    for v, (u, i) in enumerate(self._model_order):
-      for k, kind in enumerate(unit_slots[u]):
-        self._gathered[(v, k)] = kind[i]
+    """Around a checkpoint save (every worker saves together). Gives what
+    writes the sharded entries once TF has written the rest: a unit's
+    weights and slots gathered and written at a time, so the save holds
+    one unit whole, not the whole state (tfdist.piecewise_save)."""
+    self._piecewise = piecewise_save.PiecewiseSave(
+        device=self.shards[0][0].device)
+    save = self._piecewise
+
+    def write(path):
+      save.write(path, (self._unit_state(u) for u in range(len(self.units))))
+
     try:
-      yield
+      yield write
     finally:
-      self._gathered = None
+      self._piecewise = None
 
   def _entries(self):
     """Every (key, shape) of the checkpoint's sharded state."""
