@@ -1,8 +1,10 @@
 """Models that --shard=params refuses (tests/test_shard_optimizer.py):
 one reads a layer's weight outside that layer's call (weight tying), one
-draws a TF stateful random mask inside a unit."""
+draws a TF stateful random mask inside a unit. And one it cannot build
+deferred (a variable made from a value), which it builds whole first."""
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 
@@ -43,3 +45,21 @@ def random_inside():
 def keeps_best_weights():
   """--callbacks: a callback that keeps the model's whole weights."""
   return [keras.callbacks.EarlyStopping(restore_best_weights=True)]
+
+
+class FromValue(keras.layers.Layer):
+  """A weight made from a value, not an initializer: Keras cannot defer
+  it, so --shard=params builds this model whole before sharding it."""
+
+  def build(self, shape):
+    self.kernel = self.add_weight(shape=(shape[-1], 10))
+    self.offset = keras.Variable(np.linspace(-1, 1, 10).astype("float32"))
+
+  def call(self, x):
+    return tf.matmul(x, self.kernel) + self.offset
+
+
+def from_value():
+  return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                           keras.layers.Dense(16, activation="relu"),
+                           FromValue()])

@@ -556,3 +556,21 @@ def test_a_value_less_save_spec_is_keyed_and_written_after(tmp_path):
   assert not [p for p in os.listdir(tmp_path) if "_piece" in p or
               "_merged" in p]
 
+
+
+def test_a_deferred_keras_variable_is_listed_and_initialized_later():
+  """tfdist.released: a Keras variable made in a StatelessScope that does
+  not initialize has no value, sits in Keras's (thread-local) list of
+  uninitialized variables, and `_deferred_initialize` gives it its
+  initializer's value; a read before that runs the initializer."""
+  from keras.src.backend.common import global_state  # pylint: disable=g-import-not-at-top
+  with keras.StatelessScope(initialize_variables=False):
+    variable = keras.Variable(keras.initializers.Constant(2.0), shape=(3,))
+  assert variable._value is None, VERSIONS  # pylint: disable=protected-access
+  pending = global_state.get_global_attribute("uninitialized_variables")
+  assert any(v is variable for v in pending), VERSIONS
+  np.testing.assert_array_equal(variable.numpy(), [2.0] * 3)
+  global_state.set_global_attribute("uninitialized_variables", [])
+  variable._deferred_initialize()  # pylint: disable=protected-access
+  assert isinstance(variable._value, tf.Variable), VERSIONS  # pylint: disable=protected-access
+  np.testing.assert_array_equal(variable.numpy(), [2.0] * 3)

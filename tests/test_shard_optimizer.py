@@ -236,3 +236,15 @@ def test_params_clip_by_the_summed_gradients_global_norm(tmp_path, data_dir):
          "--num_cpu_devices=2", "--shard=params",
          "--noreshard_after_forward")
   _assert_same_checkpoint(tmp_path / "params", tmp_path / "one")
+
+
+def test_a_model_that_cannot_be_built_deferred_is_built_whole(tmp_path,
+                                                             data_dir):
+  # A variable made from a value: Keras cannot defer it, so the model is
+  # built whole, then sharded, and trains as one device does.
+  model = ["--model=tests.sharded_models:from_value"]
+  _train(tmp_path / "one", data_dir, 10, *model)
+  proc = _train(tmp_path / "params", data_dir, 10, *model,
+                "--strategy=mirrored", "--num_cpu_devices=2", "--shard=params")
+  assert "makes a variable from a value" in proc.stderr
+  _assert_same_checkpoint(tmp_path / "params", tmp_path / "one")

@@ -129,6 +129,36 @@ def test_a_released_weight_is_not_read_outside_gathering():
     assert (got == want).all()
 
 
+def test_a_deferred_build_shards_the_initializers_values():
+  """--shard=params builds the model deferred (tfdist.released): no unit
+  weight is ever a variable of its own, the shards hold what a whole
+  build's weights are (the initializers are seeded), and the variables
+  no unit shards (a BatchNorm's statistics) get their values after."""
+  def make():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                             keras.layers.BatchNormalization(),
+                             keras.layers.Dense(2)])
+  strategy = _strategy()
+  with strategy.scope():
+    reference = make()
+  with strategy.scope(), released.deferred():
+    model = make()
+  assert all(v._value is None for v in model.weights)  # pylint: disable=protected-access
+  sharded = sharded_params.ShardedParams(strategy=strategy, model=model,
+                                         make_optimizer=_sgd)
+  with strategy.scope():
+    released.initialize_held()
+  gathered = [w for unit in sharded.gathered_weights() for w in unit]
+  for got, want in zip(gathered, reference.trainable_variables, strict=True):
+    assert (got == want.numpy()).all()
+  held = released.held_weights(model)
+  for got, want in zip(held, reference.non_trainable_variables, strict=True):
+    assert got._value is not None  # pylint: disable=protected-access
+    assert (got.numpy() == want.numpy()).all()
+  assert _step(strategy, model, sharded)(tf.ones([2, 3])).shape == []
+
+
 def test_it_is_built_outside_the_strategys_scope():
   strategy = _strategy()
   with strategy.scope():

@@ -130,7 +130,8 @@ def _model_and_optimizer(config, info, task, sample):
   strategy = info.strategy
   stage = preflight.sharding(config, info)
   with strategy.scope():
-    model = model_setup.build_model(config, task, sample)
+    model = model_setup.build_model(config, task, sample,
+                                     deferred=stage == "params")
     if config.sync_batchnorm:
       model_setup.synchronize_batchnorm(model)
     schedule = optimizers.schedule_kwargs(config)
@@ -148,6 +149,8 @@ def _model_and_optimizer(config, info, task, sample):
   example = model_setup.check_model_fits_data(task, model, sample)
   sharded = _sharded(config, stage, strategy, model, optimizer, schedule)
   if stage == "params":
+    with strategy.scope():
+      released.initialize_held()
     model_setup.check_sharded_forward(strategy, model, sharded, sample[0])
   if config.allreduce_compression != "none" and info.num_replicas > 1:
     logging.info("%s.", reducer.describe())

@@ -13,6 +13,7 @@ from tfdist import compiled_loops
 from tfdist import devices
 from tfdist import errors
 from tfdist import placement
+from tfdist import released
 from tfdist import runners
 from tfdist.errors import ConfigError
 
@@ -63,7 +64,27 @@ def _pipeline(config, task, model, example):
   return pipelined
 
 
-def build_model(config, task, sample):
+def build_model(config, task, sample, *, deferred=False):
+  """The task's model with its variables created, under the strategy;
+  `deferred` (--shard=params): without values (see tfdist.released),
+  unless the model makes a variable from a value, which Keras cannot
+  defer."""
+  if not deferred:
+    return _build_model(config, task, sample)
+  try:
+    with released.deferred():
+      return _build_model(config, task, sample)
+  except (ValueError, ConfigError) as e:
+    if "stateless scope" not in str(e):
+      raise
+    released.forget_deferred()
+    logging.info("--shard=params: %s makes a variable from a value, so its "
+                 "whole weights are made once before they are sharded.",
+                 task.display_name)
+    return _build_model(config, task, sample)
+
+
+def _build_model(config, task, sample):
   """The task's model with its variables created, under the strategy.
 
   Seeded here, just before the model is built: whatever ran before (a

@@ -2,8 +2,18 @@
 and freed its whole value: its checkpoint entry (Keras's TF variable
 delegates its save and restore to its `_value`, pinned in
 tests/test_private_apis.py), and a one-line refusal of any other read.
+
+And how its whole value is never made at all: the model is built with
+its variables deferred (a Keras StatelessScope creates them without
+values), each unit's whole weights come from their initializers only to
+be sharded, and the variables no unit shards are given their values
+after (`initialize_held`).
 """
 
+import contextlib
+
+import keras
+from keras.src.backend.common import global_state  # pylint: disable=g-direct-keras-import
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
@@ -46,3 +56,28 @@ def held_weights(model):
   ShardedParams released."""
   return [w for w in model.weights
           if not isinstance(getattr(w, "_value", None), ReleasedWeight)]
+
+
+@contextlib.contextmanager
+def deferred():
+  """Around building a model for --shard=params: its variables are
+  created without values (Keras fills a deferred variable's reads from
+  its initializer, which is seeded, so the values are the same)."""
+  with keras.StatelessScope(initialize_variables=False):
+    yield
+
+
+def initialize_held():
+  """After sharding, under the strategy's scope: every variable still
+  deferred (a BatchNorm's statistics, a seed) gets its value, as Keras
+  would at the end of a StatelessScope, but for the released weights."""
+  pending = global_state.get_global_attribute("uninitialized_variables")
+  global_state.set_global_attribute("uninitialized_variables", [])
+  for variable in pending or []:
+    if variable._value is None:  # pylint: disable=protected-access
+      variable._deferred_initialize()  # pylint: disable=protected-access
+
+
+def forget_deferred():
+  """After a build that could not be deferred: its variables are gone."""
+  global_state.set_global_attribute("uninitialized_variables", [])

@@ -28,6 +28,7 @@ sharded or not.
 """
 
 import contextlib
+import functools
 import threading
 
 import tensorflow as tf
@@ -72,7 +73,10 @@ class ShardedParams:
              for i, w in enumerate(unit.weights)}
     self._model_order = [where[id(w)] for w in model.trainable_variables]
     self._piecewise = None  # A piecewise_save.PiecewiseSave while saving.
-    self._unit_state_fn = tf.function(self._gather_unit_state)
+    # One function per unit: one trace each, not a retrace per unit.
+    self._unit_state_fns = [
+        tf.function(functools.partial(self._gather_unit_state, u))
+        for u in range(len(self.units))]
     self.restored = {}  # {key: value} from a restore.
     self._collectives = [collectives.ShardCollectives(
         strategy, length=u.layout.size, bucket_elements=u.layout.size)
@@ -170,7 +174,7 @@ class ShardedParams:
     """{key: whole value} of unit `u`'s weights and slots, as tensors."""
     at = {ui: v for v, ui in enumerate(self._model_order)}
     count = len(self.units[u].weights)
-    values = self._unit_state_fn(u)
+    values = self._unit_state_fns[u]()
     return {**{("w", u, i): values[i] for i in range(count)},
             **{(at[(u, i)], k): values[count * (k + 1) + i]
                for k in range(self._slot_count()) for i in range(count)}}
