@@ -21,6 +21,7 @@ from absl import logging
 
 from tfdist import config as config_lib
 from tfdist import errors
+from tfdist import malloc_arenas
 from tfdist import quiet
 from tfdist.errors import ConfigError
 from tfdist.errors import PORT_TAKEN_EXIT_CODE
@@ -98,6 +99,9 @@ def start_tensorflow(config, role, *, tf_config=None,
                      show_native_logs=False):
   """Imports TF, splits the CPU and creates what this role needs, in that
   order: the started server (SERVER) or the StrategyInfo."""
+  arenas = malloc_arenas.count(config)
+  if malloc_arenas.limit(arenas):  # Before TF starts its threads.
+    logging.info("malloc arenas: at most %d (--malloc_arenas).", arenas)
   with quiet.native_stderr_captured(enabled=not show_native_logs):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from tfdist import strategies  # pylint: disable=g-import-not-at-top

@@ -142,6 +142,10 @@ OPTIONS = (
     _enum("mixed_precision", "none", MIXED_PRECISION,
           "Keras mixed-precision policy.", "run"),
     _o("seed", 42, "Seed for weights and data order.", "run"),
+    _o("malloc_arenas", 0, "glibc: the most malloc arenas this process's "
+       "threads share; memory one arena frees is not reused by another, "
+       "so more arenas mean a higher peak. 0: 2 with --shard=params, else "
+       "glibc's default (8 per core).", "run", minimum=0),
     _o("tpu", "local", "TPU address for --strategy=tpu.", "run"),
     _o("native_logs", False, "Show TensorFlow's native start-up logs (also "
        "on with --verbosity>=1).", "run"),
