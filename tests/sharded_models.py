@@ -63,3 +63,20 @@ def from_value():
   return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
                            keras.layers.Dense(16, activation="relu"),
                            FromValue()])
+
+
+def seeded_by_task():
+  """Each MWMS worker draws other initial weights (its task's seeds), as
+  an initializer seeded outside --seed would: a deferred build must take
+  the first worker's, as a whole build's variables would."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  task = json.loads(os.environ.get("TF_CONFIG", "{}")).get(
+      "task", {}).get("index", 0)
+  return keras.Sequential([
+      keras.Input((8, 8, 1)), keras.layers.Flatten(),
+      keras.layers.Dense(16, activation="relu",
+                         kernel_initializer=keras.initializers.HeNormal(
+                             seed=10 + task)),
+      keras.layers.Dense(10, kernel_initializer=keras.initializers.
+                         GlorotUniform(seed=20 + task))])

@@ -523,7 +523,7 @@ def test_a_value_less_save_spec_is_keyed_and_written_after(tmp_path):
   device = tf.Variable(0.0).device
   manager = tf.train.CheckpointManager(
       tf.train.Checkpoint(step=tf.Variable(1), entry=_PiecewiseEntry(
-          None, value)), str(tmp_path), max_to_keep=3)
+          None, value)), str(tmp_path / "run"), max_to_keep=3)
   seen = {}
 
   def save(step, fail=False):
@@ -552,9 +552,9 @@ def test_a_value_less_save_spec_is_keyed_and_written_after(tmp_path):
   np.testing.assert_array_equal(restored.entry.numpy(), value)
   with pytest.raises(Exception):
     save(2, fail=True)
-  assert tf.train.latest_checkpoint(str(tmp_path)) == path, VERSIONS
-  assert not [p for p in os.listdir(tmp_path) if "_piece" in p or
-              "_merged" in p]
+  assert manager.latest_checkpoint == path, VERSIONS
+  assert not [p for p in os.listdir(tmp_path / "run") if "_piece" in p
+              or "_merged" in p]
 
 
 

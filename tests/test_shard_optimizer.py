@@ -248,3 +248,17 @@ def test_a_model_that_cannot_be_built_deferred_is_built_whole(tmp_path,
                 "--strategy=mirrored", "--num_cpu_devices=2", "--shard=params")
   assert "makes a variable from a value" in proc.stderr
   _assert_same_checkpoint(tmp_path / "params", tmp_path / "one")
+
+
+def test_workers_that_draw_other_weights_start_from_the_first_ones(
+    tmp_path, data_dir):
+  # Deferred, each worker's initializers give its own draw; the shards
+  # must be of the first worker's, as the one device's run (task 0) is.
+  model = ["--model=tests.sharded_models:seeded_by_task"]
+  _train(tmp_path / "one", data_dir, 5, *model)
+  run_launcher(["--workers=2", "--isolate=off"],
+               [f"--model_dir={tmp_path / 'params'}",
+                f"--data_dir={data_dir}", *COMMON, "--train_steps=5",
+                *model, "--strategy=multi_worker_mirrored",
+                "--shard=params"])
+  _assert_same_checkpoint(tmp_path / "params", tmp_path / "one")

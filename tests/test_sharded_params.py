@@ -142,8 +142,9 @@ def test_a_deferred_build_shards_the_initializers_values():
   strategy = _strategy()
   with strategy.scope():
     reference = make()
-  with strategy.scope(), released.deferred():
-    model = make()
+  with strategy.scope():
+    model, why = released.build_deferred(make)
+  assert why is None
   assert all(v._value is None for v in model.weights)  # pylint: disable=protected-access
   sharded = sharded_params.ShardedParams(strategy=strategy, model=model,
                                          make_optimizer=_sgd)
@@ -157,6 +158,44 @@ def test_a_deferred_build_shards_the_initializers_values():
     assert got._value is not None  # pylint: disable=protected-access
     assert (got.numpy() == want.numpy()).all()
   assert _step(strategy, model, sharded)(tf.ones([2, 3])).shape == []
+
+
+def _dense_model(**dense):
+  return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, **dense),
+                           keras.layers.Dense(2)])
+
+
+def _assigned():
+  model = _dense_model()
+  model.layers[0].kernel.assign(tf.ones([3, 4]))  # As load_weights does.
+  return model
+
+
+@pytest.mark.parametrize("build,why", [
+    (_assigned, "assigns a value to a variable while it is built"),
+    (lambda: _dense_model(kernel_initializer=lambda shape, dtype=None:
+                          tf.random.normal(shape)),
+     "not a Keras initializer"),
+    (lambda: _dense_model(kernel_initializer=keras.initializers.HeNormal(
+        seed=keras.random.SeedGenerator(1))), "with a SeedGenerator"),
+])
+def test_a_model_whose_reads_would_differ_is_not_deferred(build, why):
+  """Its deferred reads would not give what a whole build holds: it is
+  built whole instead, under the names a whole build would give."""
+  from keras.src.utils import naming  # pylint: disable=g-import-not-at-top
+  naming.reset_uids()
+  names = [w.path for w in build().weights]
+  naming.reset_uids()
+  model, reason = released.build_deferred(build)
+  assert model is None and why in reason
+  assert [w.path for w in build().weights] == names
+
+
+def test_a_model_of_keras_initializers_is_deferred():
+  model, reason = released.build_deferred(_dense_model)
+  assert reason is None
+  assert all(v._value is None for v in model.weights)  # pylint: disable=protected-access
+  released.forget_deferred()
 
 
 def test_it_is_built_outside_the_strategys_scope():

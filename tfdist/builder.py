@@ -146,8 +146,9 @@ def _model_and_optimizer(config, info, task, sample):
                               name="global_step")
     reducer = compression.create(config, model.trainable_variables)
   # Before sharding releases the weights.
-  example = model_setup.check_model_fits_data(task, model, sample)
-  sharded = _sharded(config, stage, strategy, model, optimizer, schedule)
+  with released.forgotten_on_failure():
+    example = model_setup.check_model_fits_data(task, model, sample)
+    sharded = _sharded(config, stage, strategy, model, optimizer, schedule)
   if stage == "params":
     with strategy.scope():
       released.initialize_held()

@@ -66,22 +66,17 @@ def _pipeline(config, task, model, example):
 
 def build_model(config, task, sample, *, deferred=False):
   """The task's model with its variables created, under the strategy;
-  `deferred` (--shard=params): without values (see tfdist.released),
-  unless the model makes a variable from a value, which Keras cannot
-  defer."""
+  `deferred` (--shard=params): without values where Keras can
+  (tfdist.released.build_deferred), else whole, with a log line."""
   if not deferred:
     return _build_model(config, task, sample)
-  try:
-    with released.deferred():
-      return _build_model(config, task, sample)
-  except (ValueError, ConfigError) as e:
-    if "stateless scope" not in str(e):
-      raise
-    released.forget_deferred()
-    logging.info("--shard=params: %s makes a variable from a value, so its "
-                 "whole weights are made once before they are sharded.",
-                 task.display_name)
-    return _build_model(config, task, sample)
+  model, why = released.build_deferred(
+      lambda: _build_model(config, task, sample))
+  if model is not None:
+    return model
+  logging.info("--shard=params: %s %s, so its whole weights are made once "
+               "before they are sharded.", task.display_name, why)
+  return _build_model(config, task, sample)
 
 
 def _build_model(config, task, sample):

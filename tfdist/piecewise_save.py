@@ -56,10 +56,19 @@ class PiecewiseSave:
       tf.raw_ops.MergeV2Checkpoints(
           checkpoint_prefixes=[path] + parts, destination_prefix=merged,
           delete_old_dirs=False)  # Deletes the files it merged.
-      for name in tf.io.gfile.glob(f"{merged}.*"):
+      for name in _files(merged):
         tf.io.gfile.rename(name, path + name[len(merged):], overwrite=True)
+      if not tf.io.gfile.exists(f"{path}.index"):
+        raise RuntimeError(f"piecewise save: {path}.index was not written")
     except BaseException:
-      for name in tf.io.gfile.glob(f"{path}_piece*") + tf.io.gfile.glob(
-          f"{path}_merged*"):
+      for name in _files(f"{path}_piece") + _files(f"{path}_merged"):
         tf.io.gfile.remove(name)
       raise
+
+
+def _files(prefix):
+  """The files whose path starts with `prefix` (listed, not globbed: a
+  model_dir may hold glob characters)."""
+  directory, _, start = prefix.rpartition("/")
+  return [f"{directory}/{name}" for name in tf.io.gfile.listdir(directory)
+          if name.startswith(start)]

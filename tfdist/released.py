@@ -10,6 +10,7 @@ be sharded, and the variables no unit shards are given their values
 after (`initialize_held`).
 """
 
+import collections
 import contextlib
 
 import keras
@@ -58,26 +59,82 @@ def held_weights(model):
           if not isinstance(getattr(w, "_value", None), ReleasedWeight)]
 
 
-@contextlib.contextmanager
-def deferred():
-  """Around building a model for --shard=params: its variables are
-  created without values (Keras fills a deferred variable's reads from
-  its initializer, which is seeded, so the values are the same)."""
-  with keras.StatelessScope(initialize_variables=False):
-    yield
+def build_deferred(build):
+  """`build()` (the model, for --shard=params) with its variables created
+  without values; Keras fills a deferred variable's reads from its
+  initializer. Returns (model, None), or (None, why) when the model
+  cannot be built so: Keras's names and deferred list are then as
+  before, for a whole build. It cannot when it makes a variable from a
+  value, assigns one while it is built (loaded weights, which the scope
+  would drop), or has an initializer that is not a Keras one seeded by
+  an int (its reads would not all give the same values)."""
+  names = global_state.get_global_attribute("object_name_uids")
+  names = collections.defaultdict(int, names or {})
+  why = None
+  try:
+    with keras.StatelessScope(initialize_variables=False) as scope:
+      model = build()
+  except (ValueError, ConfigError) as e:
+    if "stateless scope" not in str(e):
+      forget_deferred()
+      raise
+    why = "makes a variable from a value"
+  else:
+    if scope.state_mapping:
+      why = "assigns a value to a variable while it is built"
+    else:
+      why = _unrepeatable(_pending())
+  if why is None:
+    return model, None
+  forget_deferred()
+  global_state.set_global_attribute("object_name_uids", names)
+  return None, why
+
+
+def _unrepeatable(variables):
+  """Why a read of some deferred variable may not repeat, or None."""
+  for variable in variables:
+    initializer = variable._initializer  # pylint: disable=protected-access
+    # A class's or a function's own module (Keras's seed state has one).
+    if not (getattr(initializer, "__module__", None) or "").startswith(
+        "keras."):
+      return (f"initializes {variable.path} with "
+              f"{getattr(initializer, '__name__', type(initializer).__name__)}"
+              ", not a Keras initializer")
+    if isinstance(getattr(initializer, "seed", 0), keras.random.SeedGenerator):
+      return (f"seeds the initializer of {variable.path} with a "
+              "SeedGenerator")
+  return None
+
+
+def _pending():
+  return global_state.get_global_attribute("uninitialized_variables") or []
 
 
 def initialize_held():
   """After sharding, under the strategy's scope: every variable still
   deferred (a BatchNorm's statistics, a seed) gets its value, as Keras
   would at the end of a StatelessScope, but for the released weights."""
-  pending = global_state.get_global_attribute("uninitialized_variables")
+  pending = _pending()
   global_state.set_global_attribute("uninitialized_variables", [])
-  for variable in pending or []:
+  for variable in pending:
     if variable._value is None:  # pylint: disable=protected-access
       variable._deferred_initialize()  # pylint: disable=protected-access
 
 
 def forget_deferred():
-  """After a build that could not be deferred: its variables are gone."""
+  """After a build that could not be deferred, or a start-up that failed
+  before `initialize_held`: its variables are gone."""
   global_state.set_global_attribute("uninitialized_variables", [])
+
+
+@contextlib.contextmanager
+def forgotten_on_failure():
+  """Around the start-up between a deferred build and `initialize_held`:
+  if it fails, the model's deferred variables die with it (else a later
+  run in this process would give them values)."""
+  try:
+    yield
+  except BaseException:
+    forget_deferred()
+    raise

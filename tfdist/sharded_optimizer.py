@@ -123,7 +123,7 @@ def checkpoint_view(owner, optimizer, variables, slot_count):
   return view
 
 
-def _from_replica_zero(strategy, values, own=None):
+def from_replica_zero(strategy, values, own=None):
   """The sum over replicas of `values` from replica 0 and `own` (or
   zeros) from every other replica."""
   reduce = tf.function(functools.partial(replica_check.from_replica_zero,
@@ -145,7 +145,7 @@ def share_restored(strategy, restored, entries, differs_here):
     return restored
   need = float(differs_here or not restored)
   has = float(bool(restored))
-  needed, chief_has = _from_replica_zero(
+  needed, chief_has = from_replica_zero(
       strategy, np.array([need, has], np.float32),
       np.array([need, 0], np.float32))
   if not chief_has:
@@ -158,7 +158,7 @@ def share_restored(strategy, restored, entries, differs_here):
   for key, shape in entries:
     mine = (np.asarray(restored.pop(key), np.float32) if read_here
             else np.zeros(shape, np.float32))
-    shared[key] = _from_replica_zero(strategy, mine)
+    shared[key] = from_replica_zero(strategy, mine)
   return shared
 
 

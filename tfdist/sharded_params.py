@@ -103,6 +103,10 @@ class ShardedParams:
     whole and a read outside `gathering()` refuses."""
     unit, shards = self.units[u], self._collectives[u]
     flat = unit.layout.flatten_numpy([v.numpy() for v in unit.weights])
+    if self._strategy.num_replicas_in_sync > len(devices):
+      # Deferred weights come from each worker's own initializers: take
+      # the first replica's, as a variable's creation would broadcast.
+      flat = sharded_optimizer.from_replica_zero(self._strategy, flat)
     for local, (device, rank) in enumerate(zip(devices, self._ranks)):
       with tf.device(device):
         self.shards[local].append(tf.Variable(

@@ -2,7 +2,8 @@
 run, against the default strategy's, on a model of ~100M parameters.
 
 python -m tools.bench_replica_memory [--rounds=1] [--steps=6]
-    [--configs=default,mwms,mwms_shard,mwms_params] [--timeline]
+    [--configs=default,mwms,mwms_shard,mwms_gradients,mwms_params]
+    [--workers=2[,4,...]] [--timeline] [--plot=docs/shard_params_memory.png]
 
 A user's 12-layer MLP (`mlp_100m`: 64 x 2,900, then 11 x 2,900 x 2,900,
 then 2,900 x 10 float32 weights, 92.8M parameters; with Adam 1.1 GB of
@@ -12,7 +13,10 @@ digits, in a fresh model_dir, as:
 - mwms: 2 MultiWorkerMirrored workers (`python -m launch.local
   --workers=2 --isolate=off`);
 - mwms_shard: the same with --shard_optimizer;
+- mwms_gradients: the same with --shard=gradients;
 - mwms_params: the same with --shard=params.
+`--workers`: the MWMS configs' worker counts (2); `--plot`: a PNG of
+each config's growth against N, the default strategy at N=1.
 Each is run again with a tiny model (`mlp_tiny`), and the growth is the
 difference of peak RSS (VmHWM, read from /proc every 0.1 s while the
 process lives): what the model costs, not TensorFlow's own start-up.
@@ -31,6 +35,7 @@ import threading
 import time
 
 from . import bench_files
+from . import plotting
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDTH, DEPTH = 2900, 12
@@ -99,7 +104,8 @@ class _Watch:
     self._thread.join()
 
 
-def _command(config, model, model_dir, data_dir, steps, extra_flags=()):
+def _command(config, model, model_dir, data_dir, steps, extra_flags=(),
+             workers=2):
   train = [f"--model=tools.bench_replica_memory:{model}",
            f"--model_dir={model_dir}", f"--data_dir={data_dir}",
            "--optimizer=adam", "--batch_size=8", f"--train_steps={steps}",
@@ -109,18 +115,19 @@ def _command(config, model, model_dir, data_dir, steps, extra_flags=()):
     return [sys.executable, "-m", "tfdist.train", *train,
             "--strategy=default"]
   extra = {"mwms_shard": ["--shard_optimizer"],
+           "mwms_gradients": ["--shard=gradients"],
            "mwms_params": ["--shard=params"]}.get(config, [])
-  return [sys.executable, "-m", "launch.local", "--workers=2",
+  return [sys.executable, "-m", "launch.local", f"--workers={workers}",
           "--isolate=off", "--", *train, "--strategy=multi_worker_mirrored",
           *extra]
 
 
-def _run(config, model, root, data_dir, steps, extra_flags=()):
+def _run(config, model, root, data_dir, steps, extra_flags=(), workers=2):
   """{process: peak MB}, and the first process's timeline."""
   model_dir = tempfile.mkdtemp(dir=root)
   watch = _Watch()
   proc = subprocess.Popen(_command(config, model, model_dir, data_dir, steps,
-                                   extra_flags),
+                                   extra_flags, workers),
                           cwd=_ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   if config == "default":
@@ -140,15 +147,52 @@ def _run(config, model, root, data_dir, steps, extra_flags=()):
 
 
 def _round(args, root, data_dir):
+  """{label: {process: growth MB}}, {label: (timeline, peaks)}; a label
+  is the config, with its worker count when several are asked for."""
   growth, timelines = {}, {}
-  for config in args.configs:
-    big, timeline = _run(config, "mlp_100m", root, data_dir, args.steps,
-                         args.flags)
-    tiny, _ = _run(config, "mlp_tiny", root, data_dir, args.steps,
-                   args.flags)
-    growth[config] = {name: big[name] - tiny.get(name, 0) for name in big}
-    timelines[config] = (timeline, big)
+  for workers in args.workers:
+    for config in args.configs:
+      if config == "default" and workers != args.workers[0]:
+        continue  # One process whatever the worker count.
+      label = _label(args, config, workers)
+      big, timeline = _run(config, "mlp_100m", root, data_dir, args.steps,
+                           args.flags, workers)
+      tiny, _ = _run(config, "mlp_tiny", root, data_dir, args.steps,
+                     args.flags, workers)
+      growth[label] = {name: big[name] - tiny.get(name, 0) for name in big}
+      timelines[label] = (timeline, big)
   return growth, timelines
+
+
+def _label(args, config, workers):
+  if config == "default" or len(args.workers) == 1:
+    return config
+  return f"{config} N={workers}"
+
+
+def _plot(args, medians, path):
+  """Peak growth per process against N, one line per config (the default
+  strategy at N=1 on each), as docs/shard_params_memory.png."""
+  pyplot = plotting.pyplot()
+  figure, axes = pyplot.subplots(figsize=(5, 3.2))
+  base = medians.get("default")
+  for config in args.configs:
+    if config == "default":
+      continue
+    counts = [n for n in args.workers if _label(args, config, n) in medians]
+    values = [medians[_label(args, config, n)] for n in counts]
+    if base is not None:
+      counts, values = [1] + counts, [base] + values
+    axes.plot(counts, values, "o-", label=config)
+  if base is not None:
+    axes.axhline(base, color="gray", linestyle=":", label="default, N=1")
+  axes.set_xlabel("MWMS workers N")
+  axes.set_ylabel("peak RSS growth per process (MB)")
+  axes.set_xticks([1] + list(args.workers))
+  axes.legend(fontsize=7)
+  figure.tight_layout()
+  figure.savefig(path, dpi=110)
+  print(f"wrote {path}")
 
 
 def _print_timeline(config, timeline, peaks):
@@ -171,11 +215,18 @@ def main():
   parser.add_argument("--configs",
                       default="default,mwms,mwms_shard,mwms_params")
   parser.add_argument("--timeline", action="store_true")
+  parser.add_argument("--workers", default="2",
+                      help="MWMS workers of the mwms* configs: N or N,M,...")
+  parser.add_argument("--plot", default="",
+                      help="a PNG of growth against N (matplotlib)")
   parser.add_argument("--flags", default="",
                       help="more tfdist.train flags, space-separated")
   args = parser.parse_args()
   args.configs = args.configs.split(",")
   args.flags = args.flags.split()
+  args.workers = [int(n) for n in args.workers.split(",")]
+  if args.plot:
+    plotting.pyplot()  # Before the runs: a missing matplotlib costs none.
   rounds = []
   with tempfile.TemporaryDirectory(prefix="tfdist-bench-memory-") as root:
     data_dir = os.path.join(root, "data")
@@ -194,12 +245,16 @@ def main():
   base = statistics.median(r["default"]["process"] for r in rounds) if (
       "default" in args.configs) else None
   print("\nmedian peak RSS growth per process (100M model minus tiny):")
-  for config in args.configs:
-    worst = [max(r[config].values()) for r in rounds]
-    median = statistics.median(worst)
-    ratio = f" ({median / base:.2f}x the default strategy)" if base else ""
-    print(f"  {config:11s} +{median:.0f} MB [{min(worst):.0f}-"
+  medians = {}
+  for label in rounds[0]:
+    worst = [max(r[label].values()) for r in rounds]
+    medians[label] = statistics.median(worst)
+    ratio = (f" ({medians[label] / base:.2f}x the default strategy)"
+             if base else "")
+    print(f"  {label:18s} +{medians[label]:.0f} MB [{min(worst):.0f}-"
           f"{max(worst):.0f}]{ratio}")
+  if args.plot:
+    _plot(args, medians, args.plot)
 
 
 if __name__ == "__main__":
