@@ -72,6 +72,7 @@ class ShardedParams:
     where = {id(w): (u, i) for u, unit in enumerate(self.units)
              for i, w in enumerate(unit.weights)}
     self._model_order = [where[id(w)] for w in model.trainable_variables]
+    self._variable_at = {ui: v for v, ui in enumerate(self._model_order)}
     self._piecewise = None  # A piecewise_save.PiecewiseSave while saving.
     # One function per unit: one trace each, not a retrace per unit.
     self._unit_state_fns = [
@@ -174,17 +175,22 @@ class ShardedParams:
           self._strategy.run(replica_fn))[0]
     return gather()
 
+  def _unit_keys(self, u):
+    """The checkpoint keys of unit `u`'s state: [kind][weight], its
+    weights' first, then each slot kind's."""
+    count = range(len(self.units[u].weights))
+    return [[("w", u, i) for i in count]] + [
+        [(self._variable_at[(u, i)], k) for i in count]
+        for k in range(self._slot_count())]
+
   def _unit_state(self, u):
     """{key: whole value} of unit `u`'s weights and slots, as tensors."""
-    at = {ui: v for v, ui in enumerate(self._model_order)}
-    count = len(self.units[u].weights)
-    values = self._unit_state_fns[u]()
-    return {**{("w", u, i): values[i] for i in range(count)},
-            **{(at[(u, i)], k): values[count * (k + 1) + i]
-               for k in range(self._slot_count()) for i in range(count)}}
+    keys = [key for kind in self._unit_keys(u) for key in kind]
+    return dict(zip(keys, self._unit_state_fns[u](), strict=True))
 
   def _gather_unit_state(self, u):
-    """Traced once per unit: its weights, then each slot kind's."""
+    """Traced once per unit: its weights, then each slot kind's (the
+    order of `_unit_keys`)."""
     def replica_fn():
       local = self._local()
       held = sharded_optimizer.slots(self.optimizers[local])
@@ -254,11 +260,9 @@ class ShardedParams:
 
   def _entries(self):
     """Every (key, shape) of the checkpoint's sharded state."""
-    return [(("w", u, i), w.shape) for u, unit in enumerate(self.units)
-            for i, w in enumerate(unit.weights)] + [
-                ((v, k), self.units[u].weights[i].shape)
-                for k in range(self._slot_count())
-                for v, (u, i) in enumerate(self._model_order)]
+    return [(key, unit.weights[i].shape)
+            for u, unit in enumerate(self.units)
+            for kind in self._unit_keys(u) for i, key in enumerate(kind)]
 
   def share_restored(self, differs_here):
     """After ChiefBroadcast: see sharded_optimizer.share_restored."""
@@ -269,13 +273,9 @@ class ShardedParams:
     """After a restore: each local shard takes its slice of the restored
     weights and slots, and every shard optimizer the run's step count."""
     if self.restored:
-      at = {ui: v for v, ui in enumerate(self._model_order)}
       count = self._slot_count()
       for u, unit in enumerate(self.units):
-        kinds = [[("w", u, i) for i in range(len(unit.weights))]] + [
-            [(at[(u, i)], k) for i in range(len(unit.weights))]
-            for k in range(count)]
-        for kind, keys in enumerate(kinds):
+        for kind, keys in enumerate(self._unit_keys(u)):
           if not all(k in self.restored for k in keys):
             continue  # Not in the checkpoint: the fresh values stay.
           flat = unit.layout.flatten_numpy([self.restored[k] for k in keys])
