@@ -4,6 +4,7 @@ twice, on mirrored and two MultiWorkerMirrored processes) are
 tests/test_collectives.py's."""
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -22,12 +23,13 @@ def _sgd():
   return keras.optimizers.SGD(0.1)
 
 
-def _sharded(make_model, **kwargs):
+def _sharded(make_model, make_optimizer=_sgd, **kwargs):
   strategy = _strategy()
   with strategy.scope():
     model = make_model()
   return strategy, model, sharded_params.ShardedParams(
-      strategy=strategy, model=model, make_optimizer=_sgd, **kwargs)
+      strategy=strategy, model=model, make_optimizer=make_optimizer,
+      **kwargs)
 
 
 def _step(strategy, model, sharded):
@@ -326,3 +328,68 @@ def test_a_step_has_one_or_two_gathers_and_one_reduce_scatter_per_unit(
   # backward with reshard on, and the reduce-scatter's all-to-all.
   assert counts == {"CollectiveGatherV2": 2 * 3 * gathers,
                     "CollectiveAllToAllV2": 2 * 3}, counts
+
+
+def _shared_layer_model():
+  inputs = keras.Input((3,))
+  shared = keras.layers.Dense(3, kernel_initializer="ones", name="shared")
+  outputs = keras.layers.Dense(2, name="head")(shared(shared(inputs)))
+  return keras.Model(inputs, outputs)
+
+
+@pytest.mark.parametrize("kwargs,left_to_apply", [
+    ({}, ["shared"]),  # Called twice: its gradient is a sum of two.
+    ({"update_in_backward": False}, ["shared", "head"]),
+    ({"clip_norm": 1.0}, ["shared", "head"])])  # The global norm first.
+def test_a_unit_called_once_is_updated_in_its_backward(kwargs,
+                                                        left_to_apply):
+  strategy, model, sharded = _sharded(_shared_layer_model, **kwargs)
+  applied = []
+  apply = sharded.apply
+  sharded.apply = lambda grads: applied.append(grads) or apply(grads)
+  step = _step(strategy, model, sharded)
+  before = sharded.gathered_weights()
+  step(tf.ones([4, 3]))
+  names = [unit.layer.name for unit in sharded.units]
+  # What apply() got, at each replica's trace: the units still to update.
+  assert [[n for n, g in zip(names, grads) if g is not None]
+          for grads in applied] == [left_to_apply] * 2
+  after = sharded.gathered_weights()
+  for unit_before, unit_after in zip(before, after):  # Each was updated.
+    assert not any((b == a).all() for b, a in zip(unit_before, unit_after))
+
+
+def _momentum():
+  return keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+def _checkpoint(model, sharded):
+  return tf.train.Checkpoint(model=model, optimizer=sharded.checkpoint_view(
+      _momentum(), model.trainable_variables))
+
+
+def test_a_restore_reads_only_the_box_its_shards_hold(tmp_path):
+  """Saved whole, a unit at a time; restored as the process holding only
+  shard 1 would: each entry's smallest box that holds shard 1's part."""
+  def make_model():  # Kernel 7 x 5, then bias 5: a shard of 20 of 40.
+    return keras.Sequential([keras.Input((7,)), keras.layers.Dense(5),
+                             keras.layers.Dense(3)])
+  strategy, model, sharded = _sharded(make_model, make_optimizer=_momentum)
+  _step(strategy, model, sharded)(tf.ones([4, 7]))  # Momentum slots too.
+  with sharded.saving() as write:
+    path = _checkpoint(model, sharded).write(
+        str(tmp_path / "ckpt"), options=tf.train.CheckpointOptions(
+            experimental_write_callbacks=[write]))
+  _, model2, restored = _sharded(make_model, make_optimizer=_momentum)
+  restored._ranks = [1]  # pylint: disable=protected-access
+  _checkpoint(model2, restored).restore(path).expect_partial()
+  # Shard 1 of unit 0: kernel elements 20-34 (rows 4-6), the whole bias.
+  assert restored.restored[("w", 0, 0)].shape == (3, 5)
+  assert restored.restored[("w", 0, 1)].shape == (5,)
+  slots = sharded.optimizers[1].momentums
+  for u in range(2):
+    for kind, keys in enumerate(restored._unit_keys(u)):  # pylint: disable=protected-access
+      shard = restored._restored_shard(  # pylint: disable=protected-access
+          u, [restored.restored[k] for k in keys], 1)
+      held = sharded.shards[1][u] if kind == 0 else slots[u]
+      np.testing.assert_array_equal(shard, held.numpy())

@@ -1,6 +1,7 @@
 """In-process unit tests: config validation, auto strategy choice, the
 global-batch invariant of the input pipeline, and the model zoo."""
 
+import math
 import os
 import subprocess
 import sys
@@ -874,3 +875,26 @@ def test_a_stop_holds_only_at_the_step_whose_eval_decided_it():
   patient.load(tracker.state())
   assert not patient.stopped_at_step(20)  # More patience now: trains on.
   assert not best.BestTracker(metric="loss", mode="min").stopped_at_step(20)
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 3, 4), (4, 1, 3),
+                                   (3, 3, 2, 5)])
+def test_a_flat_range_is_its_boxes_and_within_its_bounding_box(shape):
+  from tfdist import flat_layout  # pylint: disable=g-import-not-at-top
+  array = np.arange(math.prod(shape)).reshape(shape)
+
+  def read(box):
+    begins, sizes = box
+    return array[tuple(slice(b, b + s) for b, s in zip(begins, sizes))]
+
+  for start in range(array.size):
+    for end in range(start + 1, array.size + 1):
+      boxes = flat_layout.boxes(shape, start, end)
+      assert len(boxes) <= 2 * len(shape) - 1
+      np.testing.assert_array_equal(np.concatenate(
+          [read(box).reshape(-1) for box in boxes]), np.arange(start, end))
+      box = read(flat_layout.bounding_box(shape, start, end))
+      assert set(range(start, end)) <= set(box.reshape(-1).tolist())
+      for d in range(len(shape)):  # Each face holds one of the range.
+        for face in (np.take(box, 0, axis=d), np.take(box, -1, axis=d)):
+          assert ((face >= start) & (face < end)).any()

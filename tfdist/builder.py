@@ -391,7 +391,7 @@ def build_trainer(config, info, task, *, write_dir, callbacks=()):
       startup_scalars=_startup_scalars(info, parts),
       chief_broadcast=state_setup.chief_broadcast(
           info, parts, run.keeper.tracker if run.keeper else None,
-          run.inputs),
+          run.inputs, run.store),
       callbacks=run.callbacks, best=run.keeper, survivor=run.survivor,
       warm_start=(functools.partial(
           warm_start_lib.load, model, config.init_checkpoint,

@@ -92,6 +92,7 @@ class CheckpointStore:
     self._signature = signature
     self._run_record = run_record
     self._previous_run = self._read_json(RUN_FILE)
+    self._restored_path = None
     self._write_dir = write_dir
     self._reader = tf.train.CheckpointManager(checkpoint, model_dir,
                                               max_to_keep=keep)
@@ -120,6 +121,7 @@ class CheckpointStore:
             path).assert_existing_objects_matched().expect_partial()
         if self._optional:
           tf.train.Checkpoint(**self._optional).restore(path).expect_partial()
+        self._restored_path = path
         return path
       except UNREADABLE as e:
         logging.warning("Checkpoint %s is unreadable (%s); trying the one "
@@ -134,6 +136,11 @@ class CheckpointStore:
           f"no readable checkpoint in {self._model_dir} (tried "
           f"{len(candidates)}); nothing was changed.")
     return None
+
+  def read_again(self):
+    """Restores the checkpoint restore() restored, again (a sharded run's
+    chief reads its entries whole to send them: tfdist.params_checkpoint)."""
+    self._required.restore(self._restored_path).expect_partial()
 
   def _newer_survivor_states(self, managed):
     """Survivor states newer than the newest checkpoint, newest first."""

@@ -69,20 +69,29 @@ def check_slot_layout(make_optimizer):
 
 def update_shards(optimizer, grads, shards, run=None):
   """Updates `shards` (this replica's, which `optimizer` was built on)
-  with their summed `grads`, in Keras's order in apply(): decoupled
-  weight decay (on every element: tfdist excludes no variable), the
-  update, the step count. `run`: the run's optimizer, whose rate, decay
-  and step count are the run's (default: `optimizer`). Keras's own
-  apply() would merge_call across the replicas, whose optimizers differ
-  here."""
+  with their summed `grads` (`update_shard` each), then counts the step.
+  `run`: the run's optimizer, whose rate, decay and step count are the
+  run's (default: `optimizer`). Keras's own apply() would merge_call
+  across the replicas, whose optimizers differ here."""
+  for grad, shard in zip(grads, shards):
+    update_shard(optimizer, grad, shard, run=run)
+  count_step(optimizer, run=run)
+
+
+def update_shard(optimizer, grad, shard, run=None):
+  """One shard's update, in Keras's order in apply(): decoupled weight
+  decay (on every element: tfdist excludes no variable), then the update.
+  Every shard of a step is updated before `count_step`."""
   run = run or optimizer
   rate = tf.cast(run.learning_rate, tf.float32)
-  for grad, shard in zip(grads, shards):
-    if run.weight_decay:
-      shard.assign(shard - shard * run.weight_decay * rate)
-    optimizer.update_step(grad, shard, rate)
+  if run.weight_decay:
+    shard.assign(shard - shard * run.weight_decay * rate)
+  optimizer.update_step(grad, shard, rate)
+
+
+def count_step(optimizer, run=None):
   optimizer.iterations.assign_add(1)
-  if run is not optimizer:
+  if run is not None and run is not optimizer:
     run.iterations.assign_add(1)
 
 
@@ -132,7 +141,8 @@ def from_replica_zero(strategy, values, own=None):
   return reduce(tf.constant(values), own=tf.constant(own)).numpy()
 
 
-def share_restored(strategy, restored, entries, differs_here):
+def share_restored(strategy, restored, entries, differs_here,
+                   read_whole=None):
   """The restored values every worker scatters its shards from, after
   ChiefBroadcast (`differs_here`: this worker's state was not the
   chief's). `restored`: {key: value} this worker read; `entries`: every
@@ -140,7 +150,9 @@ def share_restored(strategy, restored, entries, differs_here):
   worker's values differ (no shared disk), each takes the chief's; a
   worker that restored nothing would otherwise train on its fresh state.
   When the chief restored nothing, nobody keeps what it read. One small
-  all-reduce decides; the whole state travels only when needed."""
+  all-reduce decides; the whole state travels only when needed.
+  `read_whole()`: when what was restored is not whole, the whole values
+  to send, read again ({} on a worker whose values are not sent)."""
   if not entries:
     return restored
   need = float(differs_here or not restored)
@@ -154,10 +166,13 @@ def share_restored(strategy, restored, entries, differs_here):
     return restored
   # An entry at a time: the whole state once (what this worker read, then
   # the chief's), not a flat copy of it and the all-reduce's buffers too.
-  shared, read_here = {}, bool(restored)
+  if read_whole is not None:
+    restored = read_whole()
+  shared = {}
   for key, shape in entries:
-    mine = (np.asarray(restored.pop(key), np.float32) if read_here
-            else np.zeros(shape, np.float32))
+    mine = restored.pop(key, None)
+    mine = (np.zeros(shape, np.float32) if mine is None
+            else np.asarray(mine, np.float32))
     shared[key] = from_replica_zero(strategy, mine)
   return shared
 

@@ -12,8 +12,10 @@ runs as one custom-gradient function of its inputs and its shard:
 - backward: the weights are gathered again (once the unit's output
   gradient exists), the layer runs again under a tape, and the gradient
   of its weights is reduce-scattered at once: what reaches the shard is
-  the sum over the replicas of this replica's piece. So no replica holds
-  more than a few units' whole weights or gradients at a time.
+  the sum over the replicas of this replica's piece, and (for a unit
+  called once, without clipping) the shard is updated with it there and
+  then. So no replica holds more than a few units' whole weights or
+  gradients at a time.
 A unit's gather waits for the input of the unit called before it
 (prefetch of one unit): TF's executor would otherwise start every gather
 at the top of the step and bring the whole model back.
@@ -23,24 +25,22 @@ statistics, a dropout seed) included: tfdist.units.
 
 The whole weights are released once sharded; a checkpoint still saves
 them whole, under an unsharded run's keys (tfdist.released), and the
-optimizer's slots too (`checkpoint_view`), so a run resumes on any N,
-sharded or not.
+optimizer's slots too, so a run resumes on any N, sharded or not
+(tfdist.params_checkpoint).
 """
 
 import contextlib
-import functools
-import threading
 
 import tensorflow as tf
 
 from tfdist import collectives
-from tfdist import piecewise_save
+from tfdist import params_checkpoint
 from tfdist import released
 from tfdist import sharded_optimizer
 from tfdist import units as units_lib
 
 
-class ShardedParams:
+class ShardedParams(params_checkpoint.ParamsCheckpoint):
   """The sharded weights of `model` (built, its variables created under
   `strategy`) over `strategy`'s replicas, and their update.
 
@@ -56,29 +56,22 @@ class ShardedParams:
   weights die after its forward and are gathered again in the backward
   (FSDP's reshard_after_forward: 1.5x the bytes of an all-reduce), or
   live until the backward is done with them (1.0x, the whole weights
-  alive through the step). Build this outside `strategy.scope()`: the
+  alive through the step). `update_in_backward`: a unit's shard is
+  updated as soon as its gradient is reduce-scattered, so that no two
+  units' gradient shards need be alive together; not with clip_norm
+  (the global norm needs them all), nor for a unit called twice in a
+  step (its gradient is a sum). Build this outside `strategy.scope()`: the
   shards are one variable per device."""
 
   def __init__(self, *, strategy, model, make_optimizer, optimizer=None,
                clip_norm=0.0, prefetch=True, reshard=True,
-               release_model_weights=True):
+               update_in_backward=True, release_model_weights=True):
     collectives.check_outside_scope("ShardedParams")
     sharded_optimizer.check_slot_layout(make_optimizer)
     self._strategy = strategy
     self._clip_norm = clip_norm
     self.units = units_lib.plan_units(model)
-    # Where each of model.trainable_variables lies: (unit, index in it).
-    # The checkpoint keys the slots by the model's order, as Keras does.
-    where = {id(w): (u, i) for u, unit in enumerate(self.units)
-             for i, w in enumerate(unit.weights)}
-    self._model_order = [where[id(w)] for w in model.trainable_variables]
-    self._variable_at = {ui: v for v, ui in enumerate(self._model_order)}
-    self._piecewise = None  # A piecewise_save.PiecewiseSave while saving.
-    # One function per unit: one trace each, not a retrace per unit.
-    self._unit_state_fns = [
-        tf.function(functools.partial(self._gather_unit_state, u))
-        for u in range(len(self.units))]
-    self.restored = {}  # {key: value} from a restore.
+    self._init_checkpoint(model)
     self._collectives = [collectives.ShardCollectives(
         strategy, length=u.layout.size, bucket_elements=u.layout.size)
                          for u in self.units]
@@ -94,8 +87,10 @@ class ShardedParams:
         self.optimizers.append(make_optimizer())
         self.optimizers[-1].build(shards)
     self._prefetch, self._reshard = prefetch, reshard
+    self._in_backward = update_in_backward and not clip_norm
     self._previous_inputs, self._previous_reduced = {}, {}
-    self._lock, self._entered, self._own_calls = threading.Lock(), 0, []
+    self._calls = {}  # {local replica: (graph, [calls of each unit])}
+    self._patch = units_lib.CallPatch(self.units, self._unit_call)
 
   def _shard_unit(self, u, devices, release):
     """Each local replica's shard of unit `u`, from the model's weights;
@@ -142,7 +137,8 @@ class ShardedParams:
   def apply(self, grads):
     """Updates this replica's shards (in a replica context) with `grads`,
     the gradients of `variables()`: already summed over the replicas by
-    the backward. A unit the loss does not reach (None) is left as is.
+    the backward. A unit the loss does not reach, or updated in the
+    backward already (None), is left as is.
     With clip_norm, clipped by the global norm of the summed gradient,
     which one scalar all-reduce of the shards' squared norms gives."""
     local = self._local()
@@ -158,6 +154,20 @@ class ShardedParams:
     sharded_optimizer.update_shards(
         self.optimizers[local], grads, [s for _, s in pairs],
         run=self._optimizer)
+
+  def _updates_in_backward(self, u, local):
+    """Whether unit `u`'s backward updates its shard: it ran once in
+    the step being traced (the forward is traced whole before it)."""
+    graph, calls = self._calls.get(local, (None, None))
+    return (self._in_backward and graph is tf.compat.v1.get_default_graph()
+            and calls[u] == 1)
+
+  def _count_call(self, u, local):
+    graph, calls = self._calls.get(local, (None, None))
+    if graph is not tf.compat.v1.get_default_graph():
+      graph, calls = tf.compat.v1.get_default_graph(), [0] * len(self.units)
+      self._calls[local] = (graph, calls)
+    calls[u] += 1
 
   def gathered_weights(self):
     """Every unit's whole weights, as numpy arrays in the units' order
@@ -175,32 +185,6 @@ class ShardedParams:
           self._strategy.run(replica_fn))[0]
     return gather()
 
-  def _unit_keys(self, u):
-    """The checkpoint keys of unit `u`'s state: [kind][weight], its
-    weights' first, then each slot kind's."""
-    count = range(len(self.units[u].weights))
-    return [[("w", u, i) for i in count]] + [
-        [(self._variable_at[(u, i)], k) for i in count]
-        for k in range(self._slot_count())]
-
-  def _unit_state(self, u):
-    """{key: whole value} of unit `u`'s weights and slots, as tensors."""
-    keys = [key for kind in self._unit_keys(u) for key in kind]
-    return dict(zip(keys, self._unit_state_fns[u](), strict=True))
-
-  def _gather_unit_state(self, u):
-    """Traced once per unit: its weights, then each slot kind's (the
-    order of `_unit_keys`)."""
-    def replica_fn():
-      local = self._local()
-      held = sharded_optimizer.slots(self.optimizers[local])
-      count = self._slot_count()
-      flats = [self.shards[local][u].read_value()] + [
-          tf.convert_to_tensor(held[u * count + k]) for k in range(count)]
-      return [w for flat in flats for w in self._gather(u, flat)]
-    return self._strategy.experimental_local_results(
-        self._strategy.run(replica_fn))[0]
-
   @contextlib.contextmanager
   def whole_weights(self):
     """Within (every worker enters it together): the model's variables
@@ -217,78 +201,6 @@ class ShardedParams:
       for weight, value in held:
         weight._value = value  # pylint: disable=protected-access
 
-  # Checkpoints: the layout of an unsharded run ---------------------------
-
-  def _slot_count(self):
-    return len(sharded_optimizer.slots(self.optimizers[0])) // len(
-        self.units)
-
-  def checkpoint_view(self, optimizer, variables):
-    """What goes into the checkpoint as `optimizer` (the model's weights
-    save themselves, whole, through their ReleasedWeight)."""
-    return sharded_optimizer.checkpoint_view(self, optimizer, variables,
-                                             self._slot_count())
-
-  def whole(self, key):
-    """While saving, a value-less entry whose value `saving()` writes
-    later; zeros otherwise (a restore only asks for the shape and dtype)."""
-    if self._piecewise is not None:
-      return self._piecewise.entry(key, tf.float32)
-    u, i = key[1:] if key[0] == "w" else self._model_order[key[0]]
-    return tf.zeros(self.units[u].weights[i].shape, tf.float32)
-
-  def whole_slot(self, variable, slot):
-    return self.whole((variable, slot))
-
-  @contextlib.contextmanager
-  def saving(self):
-    """Around a checkpoint save (every worker saves together). Gives what
-    writes the sharded entries once TF has written the rest: a unit's
-    weights and slots gathered and written at a time, so the save holds
-    one unit whole, not the whole state (tfdist.piecewise_save)."""
-    self._piecewise = piecewise_save.PiecewiseSave(
-        device=self.shards[0][0].device)
-    save = self._piecewise
-
-    def write(path):
-      save.write(path, (self._unit_state(u) for u in range(len(self.units))))
-
-    try:
-      yield write
-    finally:
-      self._piecewise = None
-
-  def _entries(self):
-    """Every (key, shape) of the checkpoint's sharded state."""
-    return [(key, unit.weights[i].shape)
-            for u, unit in enumerate(self.units)
-            for kind in self._unit_keys(u) for i, key in enumerate(kind)]
-
-  def share_restored(self, differs_here):
-    """After ChiefBroadcast: see sharded_optimizer.share_restored."""
-    self.restored = sharded_optimizer.share_restored(
-        self._strategy, self.restored, self._entries(), differs_here)
-
-  def scatter_restored(self):
-    """After a restore: each local shard takes its slice of the restored
-    weights and slots, and every shard optimizer the run's step count."""
-    if self.restored:
-      count = self._slot_count()
-      for u, unit in enumerate(self.units):
-        for kind, keys in enumerate(self._unit_keys(u)):
-          if not all(k in self.restored for k in keys):
-            continue  # Not in the checkpoint: the fresh values stay.
-          flat = unit.layout.flatten_numpy([self.restored[k] for k in keys])
-          for local, rank in enumerate(self._ranks):
-            target = (self.shards[local][u] if kind == 0 else
-                      sharded_optimizer.slots(self.optimizers[local])[
-                          u * count + kind - 1])
-            target.assign(self._collectives[u].numpy_shard(flat, rank))
-      self.restored = {}
-    if self._optimizer is not None:
-      for optimizer in self.optimizers:
-        optimizer.iterations.assign(self._optimizer.iterations.value)
-
   def _gather(self, u, shard):
     """Unit `u`'s weights, whole, from every replica's `shard` of it."""
     return self.units[u].layout.unflatten(
@@ -301,32 +213,11 @@ class ShardedParams:
     return shards.reduce_scatter(
         lambda start, end: unit.layout.read(grads, start, end))
 
-  @contextlib.contextmanager
   def gathering(self):
     """While on (around the model's call, in a replica context or around
     `strategy.run`), the units run on gathered weights; see the module
-    docstring. Re-entrant: each replica's thread may enter it (a
-    merge_call switches threads inside it); the layers are patched once,
-    and a `call` of the user's own on a layer is put back after."""
-    with self._lock:
-      if not self._entered:
-        self._own_calls = [unit.layer.__dict__.get("call")
-                           for unit in self.units]
-        for u, unit in enumerate(self.units):
-          object.__setattr__(unit.layer, "call",
-                             self._unit_call(u, unit.layer.call))
-      self._entered += 1
-    try:
-      yield
-    finally:
-      with self._lock:
-        self._entered -= 1
-        if not self._entered:
-          for unit, own in zip(self.units, self._own_calls):
-            if own is None:
-              object.__delattr__(unit.layer, "call")
-            else:
-              object.__setattr__(unit.layer, "call", own)
+    docstring. Re-entrant (tfdist.units.CallPatch)."""
+    return self._patch.patched()
 
   def _unit_call(self, u, original):
     def call(*args, **kwargs):
@@ -340,6 +231,7 @@ class ShardedParams:
     local = self._local()
     shard = self.shards[local][u].read_value()
     count = len(call.inputs)
+    self._count_call(u, local)
 
     @tf.custom_gradient
     def unit_fn(*tensors):
@@ -361,6 +253,11 @@ class ShardedParams:
             inputs, regathered if kept is None else kept, upstream)
         reduced = self._reduce_scatter(u, weight_grads)
         _keep(self._previous_reduced, local, [reduced])
+        if self._updates_in_backward(u, local):
+          sharded_optimizer.update_shard(
+              self.optimizers[local], reduced, self.shards[local][u],
+              run=self._optimizer)
+          return input_grads + [None]
         return input_grads + [reduced]
 
       return outputs, grad_fn

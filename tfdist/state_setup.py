@@ -13,6 +13,7 @@ from tfdist import data
 from tfdist import optimizers
 from tfdist import replica_check
 from tfdist import released
+from tfdist import sharded_params
 from tfdist import survivor as survivor_lib
 
 
@@ -94,13 +95,17 @@ def survivor_state(config, info, parts, store, inputs):
       task_name=info.task_name)
 
 
-def chief_broadcast(info, parts, tracker, inputs):
+def chief_broadcast(info, parts, tracker, inputs, store):
   """Multi-worker: every worker takes the chief's state after the
   restore (no shared disk)."""
   if not info.peers:
     return None
+  then = parts.sharded.share_restored if parts.sharded else None
+  if isinstance(parts.sharded, sharded_params.ShardedParams):
+    # It restored its own boxes: the chief reads its entries again.
+    then = functools.partial(then, read_again=store.read_again)
   return replica_check.ChiefBroadcast(
       strategy=info.strategy, variables=[
           *_run_state(parts, inputs),
           *(tracker.variables if tracker else ())],
-      then=parts.sharded.share_restored if parts.sharded else None)
+      then=then)

@@ -11,6 +11,9 @@ scope would lose silently (a loss added in the call, an assignment to a
 variable the unit does not own) is refused.
 """
 
+import contextlib
+import threading
+
 import tensorflow as tf
 
 from tfdist import flat_layout
@@ -191,3 +194,39 @@ class UnitCall:
     for variable, value in self._updates:
       variable.assign(value)
     return tf.nest.pack_sequence_as(self._outputs, list(results))
+
+
+class CallPatch:
+  """While `patched()`, each unit's layer.call is `make_call(u, call)`.
+  Re-entrant: each replica's thread may enter it (a merge_call switches
+  threads inside it); the layers are patched once, and a `call` of the
+  user's own on a layer is put back after."""
+
+  def __init__(self, units, make_call):
+    self._units, self._make_call = units, make_call
+    self._lock, self._entered, self._own_calls = threading.Lock(), 0, []
+
+  @contextlib.contextmanager
+  def patched(self):
+    with self._lock:
+      if not self._entered:
+        self._own_calls = [unit.layer.__dict__.get("call")
+                           for unit in self._units]
+        for u, unit in enumerate(self._units):
+          object.__setattr__(unit.layer, "call",
+                             self._make_call(u, unit.layer.call))
+      self._entered += 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._entered -= 1
+        if not self._entered:
+          self._put_back()
+
+  def _put_back(self):
+    for unit, own in zip(self._units, self._own_calls):
+      if own is None:
+        object.__delattr__(unit.layer, "call")
+      else:
+        object.__setattr__(unit.layer, "call", own)

@@ -4,6 +4,7 @@ run, against the default strategy's, on a model of ~100M parameters.
 python -m tools.bench_replica_memory [--rounds=1] [--steps=6]
     [--configs=default,mwms,mwms_shard,mwms_gradients,mwms_params]
     [--workers=2[,4,...]] [--timeline] [--plot=docs/shard_params_memory.png]
+    [--resume]
 
 A user's 12-layer MLP (`mlp_100m`: 64 x 2,900, then 11 x 2,900 x 2,900,
 then 2,900 x 10 float32 weights, 92.8M parameters; with Adam 1.1 GB of
@@ -21,6 +22,9 @@ Each is run again with a tiny model (`mlp_tiny`), and the growth is the
 difference of peak RSS (VmHWM, read from /proc every 0.1 s while the
 process lives): what the model costs, not TensorFlow's own start-up.
 Prints each process's growth and its ratio to the default strategy's.
+`--resume`: each run first trains `--steps` unmeasured, and what is
+measured is a second run in the same model_dir that restores its
+checkpoint and trains `--steps` more.
 `--timeline`: also prints the RSS of the process that peaked highest at
 each line of the run's output (where the memory is taken).
 """
@@ -122,9 +126,17 @@ def _command(config, model, model_dir, data_dir, steps, extra_flags=(),
           *extra]
 
 
-def _run(config, model, root, data_dir, steps, extra_flags=(), workers=2):
-  """{process: peak MB}, and the first process's timeline."""
+def _run(config, model, root, data_dir, steps, extra_flags=(), workers=2,
+         resume=False):
+  """{process: peak MB}, and the first process's timeline. `resume`:
+  what is measured is a second run of `steps` more, from the first's
+  checkpoint (not measured)."""
   model_dir = tempfile.mkdtemp(dir=root)
+  if resume:
+    subprocess.run(_command(config, model, model_dir, data_dir, steps,
+                            extra_flags, workers),
+                   cwd=_ROOT, check=True, capture_output=True)
+    steps *= 2
   watch = _Watch()
   proc = subprocess.Popen(_command(config, model, model_dir, data_dir, steps,
                                    extra_flags, workers),
@@ -156,9 +168,9 @@ def _round(args, root, data_dir):
         continue  # One process whatever the worker count.
       label = _label(args, config, workers)
       big, timeline = _run(config, "mlp_100m", root, data_dir, args.steps,
-                           args.flags, workers)
+                           args.flags, workers, args.resume)
       tiny, _ = _run(config, "mlp_tiny", root, data_dir, args.steps,
-                     args.flags, workers)
+                     args.flags, workers, args.resume)
       growth[label] = {name: big[name] - tiny.get(name, 0) for name in big}
       timelines[label] = (timeline, big)
   return growth, timelines
@@ -215,6 +227,8 @@ def main():
   parser.add_argument("--configs",
                       default="default,mwms,mwms_shard,mwms_params")
   parser.add_argument("--timeline", action="store_true")
+  parser.add_argument("--resume", action="store_true",
+                      help="measure a run that resumes from a checkpoint")
   parser.add_argument("--workers", default="2",
                       help="MWMS workers of the mwms* configs: N or N,M,...")
   parser.add_argument("--plot", default="",
