@@ -106,12 +106,16 @@ def slots_of(optimizer):
 @pytest.mark.parametrize("shard", ["--shard_optimizer", "--shard=params"])
 def test_two_workers_sharded_keep_one_devices_weights_and_slots(
     tmp_path, data_dir, one_device, shard):
-  proc = run_launcher(
-      ["--workers=2", "--isolate=off"],
-      [f"--model_dir={tmp_path / 'sharded'}", f"--data_dir={data_dir}",
-       *COMMON, "--train_steps=20", *OPTIMIZERS["momentum"],
-       "--strategy=multi_worker_mirrored", shard])
+  # --shard=params stops at step 10 and resumes: each worker restores the
+  # box of each entry that its shard's elements lie in.
+  for steps in ([10, 20] if shard == "--shard=params" else [20]):
+    proc = run_launcher(
+        ["--workers=2", "--isolate=off"],
+        [f"--model_dir={tmp_path / 'sharded'}", f"--data_dir={data_dir}",
+         *COMMON, f"--train_steps={steps}", *OPTIMIZERS["momentum"],
+         "--strategy=multi_worker_mirrored", shard])
   assert "optimizer state 0.5x the trainable weights" in proc.stdout
+  assert shard != "--shard=params" or "at step 10." in proc.stdout
   _assert_same_checkpoint(tmp_path / "sharded", one_device("momentum"))
 
 

@@ -337,26 +337,79 @@ def _shared_layer_model():
   return keras.Model(inputs, outputs)
 
 
-@pytest.mark.parametrize("kwargs,left_to_apply", [
-    ({}, ["shared"]),  # Called twice: its gradient is a sum of two.
-    ({"update_in_backward": False}, ["shared", "head"]),
-    ({"clip_norm": 1.0}, ["shared", "head"])])  # The global norm first.
-def test_a_unit_called_once_is_updated_in_its_backward(kwargs,
-                                                        left_to_apply):
-  strategy, model, sharded = _sharded(_shared_layer_model, **kwargs)
+class AroundAFunction(keras.Model):
+  """Unit "a" called twice in the step's graph, around unit "b" called
+  in a nested function's graph (whose backward is in another graph)."""
+
+  def __init__(self):
+    super().__init__()
+    self.a = keras.layers.Dense(3, name="a")
+    self.b = keras.layers.Dense(3, name="b")
+    self.inner = tf.function(self.run_b)
+
+  def run_b(self, x):
+    return self.b(x)
+
+  def call(self, x):
+    return self.a(self.inner(self.a(x)))
+
+
+def _around_a_function():
+  model = AroundAFunction()
+  model(tf.ones([1, 3]))
+  return model
+
+
+def _recorded_apply(sharded):
+  """What apply() gets, at each replica's trace."""
   applied = []
   apply = sharded.apply
   sharded.apply = lambda grads: applied.append(grads) or apply(grads)
+  return applied
+
+
+@pytest.mark.parametrize("make_model,kwargs,left_to_apply", [
+    (_shared_layer_model, {}, ["shared"]),  # Its gradient is a sum.
+    (_shared_layer_model, {"update_in_backward": False}, ["shared", "head"]),
+    (_shared_layer_model, {"clip_norm": 1.0}, ["shared", "head"]),
+    (_around_a_function, {}, ["a", "b"])])
+def test_a_unit_called_once_is_updated_in_its_backward(make_model, kwargs,
+                                                        left_to_apply):
+  strategy, model, sharded = _sharded(make_model, **kwargs)
+  applied = _recorded_apply(sharded)
   step = _step(strategy, model, sharded)
   before = sharded.gathered_weights()
   step(tf.ones([4, 3]))
   names = [unit.layer.name for unit in sharded.units]
-  # What apply() got, at each replica's trace: the units still to update.
+  # The units still to update when the backward is done.
   assert [[n for n, g in zip(names, grads) if g is not None]
           for grads in applied] == [left_to_apply] * 2
   after = sharded.gathered_weights()
   for unit_before, unit_after in zip(before, after):  # Each was updated.
     assert not any((b == a).all() for b, a in zip(unit_before, unit_after))
+
+
+def test_an_update_in_the_backward_is_the_update_after_it():
+  """Adam (its step count and bias correction read in the backward),
+  three steps: the same weights and slots either way."""
+  def adam():
+    return keras.optimizers.Adam(0.1)
+  runs = []
+  for in_backward in (True, False):
+    keras.utils.set_random_seed(3)  # The same initial weights.
+    strategy, model, sharded = _sharded(
+        _shared_layer_model, make_optimizer=adam,
+        update_in_backward=in_backward)
+    applied = _recorded_apply(sharded)
+    step = _step(strategy, model, sharded)
+    for x in (tf.ones([4, 3]), tf.fill([4, 3], 2.0), tf.ones([4, 3])):
+      step(x)
+    runs.append((sharded.gathered_weights(),
+                 [v.numpy() for v in sharded.optimizers[0].variables]))
+    # "head" updated in the backward, or in apply().
+    assert (applied[0][1] is None) == in_backward
+  for mine, theirs in zip(tf.nest.flatten(runs[0]), tf.nest.flatten(runs[1])):
+    np.testing.assert_allclose(mine, theirs, rtol=1e-6)
 
 
 def _momentum():

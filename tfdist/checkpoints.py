@@ -140,7 +140,13 @@ class CheckpointStore:
   def read_again(self):
     """Restores the checkpoint restore() restored, again (a sharded run's
     chief reads its entries whole to send them: tfdist.params_checkpoint)."""
-    self._required.restore(self._restored_path).expect_partial()
+    try:
+      self._required.restore(self._restored_path).expect_partial()
+    except UNREADABLE as e:
+      raise CheckpointError(
+          f"checkpoint {self._restored_path} could not be read again to "
+          f"send it to the other workers ({errors.first_line(e)}); nothing "
+          "was changed.") from None
 
   def _newer_survivor_states(self, managed):
     """Survivor states newer than the newest checkpoint, newest first."""

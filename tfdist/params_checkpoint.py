@@ -83,11 +83,15 @@ class ParamsCheckpoint:
     (tfdist.sliced_restore), or, while `_sliced` is off, all of it."""
     if self._piecewise is not None:
       return self._piecewise.entry(key, tf.float32)
-    u, i = key[1:] if key[0] == "w" else self._model_order[key[0]]
+    u, i = self._unit_weight(key)
     shape = self.units[u].weights[i].shape
-    if not self._sliced:
-      return tf.zeros(shape, tf.float32)
-    return sliced_restore.request(shape, tf.float32, self._held_box(u, i))
+    box = (self._held_box(u, i) if self._sliced else
+           ((0,) * len(shape), tuple(shape)))  # All of it.
+    return sliced_restore.request(shape, tf.float32, box)
+
+  def _unit_weight(self, key):
+    """(unit, weight index) of a checkpoint key of `_unit_keys`."""
+    return key[1:] if key[0] == "w" else self._model_order[key[0]]
 
   def _rank_boxes(self, u, rank):
     """[(weight index, (begins, sizes))] of unit `u` that shard `rank`
@@ -152,9 +156,16 @@ class ParamsCheckpoint:
       finally:
         self._sliced = True
       return self.restored
+    def held(key, value):  # Each worker keeps its box of what it gets.
+      u, i = self._unit_weight(key)
+      box = self._held_box(u, i)
+      if box is None:  # None of it is held here.
+        return value.reshape(-1)[:0]
+      return sliced_restore.box_of(value, (0,) * value.ndim,
+                                   box).reshape(box[1])
     self.restored = sharded_optimizer.share_restored(
         self._strategy, self.restored, self._entries(), differs_here,
-        read_whole=whole_on_chief)
+        read_whole=whole_on_chief, keep=held)
 
   def _holds_replica_zero(self):
     ids = self._strategy.experimental_local_results(self._strategy.run(

@@ -142,7 +142,7 @@ def from_replica_zero(strategy, values, own=None):
 
 
 def share_restored(strategy, restored, entries, differs_here,
-                   read_whole=None):
+                   read_whole=None, keep=None):
   """The restored values every worker scatters its shards from, after
   ChiefBroadcast (`differs_here`: this worker's state was not the
   chief's). `restored`: {key: value} this worker read; `entries`: every
@@ -150,9 +150,11 @@ def share_restored(strategy, restored, entries, differs_here,
   worker's values differ (no shared disk), each takes the chief's; a
   worker that restored nothing would otherwise train on its fresh state.
   When the chief restored nothing, nobody keeps what it read. One small
-  all-reduce decides; the whole state travels only when needed.
+  all-reduce decides; the whole state travels only when needed, an entry
+  at a time, and only the entries the chief restored.
   `read_whole()`: when what was restored is not whole, the whole values
-  to send, read again ({} on a worker whose values are not sent)."""
+  to send, read again ({} on a worker whose values are not sent).
+  `keep(key, value)`: what a worker keeps of a received entry (all)."""
   if not entries:
     return restored
   need = float(differs_here or not restored)
@@ -164,16 +166,19 @@ def share_restored(strategy, restored, entries, differs_here,
     return {}
   if not needed:
     return restored
-  # An entry at a time: the whole state once (what this worker read, then
-  # the chief's), not a flat copy of it and the all-reduce's buffers too.
   if read_whole is not None:
     restored = read_whole()
+  present = from_replica_zero(strategy, np.array(
+      [key in restored for key, _ in entries], np.float32))
   shared = {}
-  for key, shape in entries:
+  for (key, shape), sent in zip(entries, present):
+    if not sent:
+      continue  # Not in the chief's checkpoint: the fresh values stay.
     mine = restored.pop(key, None)
     mine = (np.zeros(shape, np.float32) if mine is None
             else np.asarray(mine, np.float32))
-    shared[key] = from_replica_zero(strategy, mine)
+    value = from_replica_zero(strategy, mine)
+    shared[key] = keep(key, value) if keep else value
   return shared
 
 

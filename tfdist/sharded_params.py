@@ -30,6 +30,7 @@ optimizer's slots too, so a run resumes on any N, sharded or not
 """
 
 import contextlib
+import weakref
 
 import tensorflow as tf
 
@@ -89,7 +90,8 @@ class ShardedParams(params_checkpoint.ParamsCheckpoint):
     self._prefetch, self._reshard = prefetch, reshard
     self._in_backward = update_in_backward and not clip_norm
     self._previous_inputs, self._previous_reduced = {}, {}
-    self._calls = {}  # {local replica: (graph, [calls of each unit])}
+    # {graph: {local replica: [calls of each unit]}}, while traced.
+    self._calls = weakref.WeakKeyDictionary()
     self._patch = units_lib.CallPatch(self.units, self._unit_call)
 
   def _shard_unit(self, u, devices, release):
@@ -156,18 +158,20 @@ class ShardedParams(params_checkpoint.ParamsCheckpoint):
         run=self._optimizer)
 
   def _updates_in_backward(self, u, local):
-    """Whether unit `u`'s backward updates its shard: it ran once in
-    the step being traced (the forward is traced whole before it)."""
-    graph, calls = self._calls.get(local, (None, None))
-    return (self._in_backward and graph is tf.compat.v1.get_default_graph()
-            and calls[u] == 1)
+    """Whether unit `u`'s backward updates its shard: it ran once in the
+    function being traced, whose forward is done (no replica is inside
+    `gathering()`: not a gradient taken within the forward), and the
+    backward is in the forward's graph (not in a branch's or a loop's)."""
+    if not self._in_backward or self._patch.active or (
+        tf.executing_eagerly()):
+      return False
+    calls = self._calls.get(tf.compat.v1.get_default_graph(), {})
+    return calls.get(local, [0] * len(self.units))[u] == 1
 
   def _count_call(self, u, local):
-    graph, calls = self._calls.get(local, (None, None))
-    if graph is not tf.compat.v1.get_default_graph():
-      graph, calls = tf.compat.v1.get_default_graph(), [0] * len(self.units)
-      self._calls[local] = (graph, calls)
-    calls[u] += 1
+    if not tf.executing_eagerly():
+      per_local = self._calls.setdefault(tf.compat.v1.get_default_graph(), {})
+      per_local.setdefault(local, [0] * len(self.units))[u] += 1
 
   def gathered_weights(self):
     """Every unit's whole weights, as numpy arrays in the units' order

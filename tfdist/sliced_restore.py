@@ -25,8 +25,8 @@ def request(shape, dtype, box):
   placeholder} (TF reads the spec, dtype and device, not the value). A
   scalar is read whole; with no `box` (no element of it held here), its
   first element."""
-  if not shape:
-    return tf.zeros([], dtype)
+  if not shape or not all(shape):  # A scalar, or no element at all.
+    return tf.zeros(shape, dtype)
   box = box or ((0,) * len(shape), (1,) * len(shape))
   return {spec(shape, box): tf.zeros([], dtype)}
 

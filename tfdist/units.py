@@ -206,6 +206,11 @@ class CallPatch:
     self._units, self._make_call = units, make_call
     self._lock, self._entered, self._own_calls = threading.Lock(), 0, []
 
+  @property
+  def active(self):
+    """Whether a thread is within `patched()`."""
+    return self._entered > 0
+
   @contextlib.contextmanager
   def patched(self):
     with self._lock:

@@ -133,9 +133,12 @@ def _run(config, model, root, data_dir, steps, extra_flags=(), workers=2,
   checkpoint (not measured)."""
   model_dir = tempfile.mkdtemp(dir=root)
   if resume:
-    subprocess.run(_command(config, model, model_dir, data_dir, steps,
-                            extra_flags, workers),
-                   cwd=_ROOT, check=True, capture_output=True)
+    first = subprocess.run(_command(config, model, model_dir, data_dir,
+                                    steps, extra_flags, workers),
+                           cwd=_ROOT, capture_output=True, text=True)
+    if first.returncode:
+      raise RuntimeError(f"{config} {model}'s first run exited "
+                         f"{first.returncode}:\n{first.stdout[-4000:]}")
     steps *= 2
   watch = _Watch()
   proc = subprocess.Popen(_command(config, model, model_dir, data_dir, steps,
