@@ -582,6 +582,14 @@ def test_a_value_less_save_spec_is_keyed_and_written_after(tmp_path):
   assert manager.latest_checkpoint == path, VERSIONS
   assert not [p for p in os.listdir(tmp_path / "run") if "_piece" in p
               or "_merged" in p]
+  # A save killed while it wrote leaves pieces: the next save removes
+  # them, and nothing else.
+  for name in ("ckpt-2_piece0.index", "ckpt-2_merged.data-00000-of-00001",
+               "ckpt-2_piece_notes.txt"):
+    (tmp_path / "run" / name).write_text("x")
+  save(3)
+  assert sorted(p for p in os.listdir(tmp_path / "run") if "_p" in p
+                or "_m" in p) == ["ckpt-2_piece_notes.txt"]
 
 
 

@@ -15,6 +15,8 @@ The SaveSpec is private to TF; tests/test_private_apis.py pins the
 behaviour this module needs.
 """
 
+import re
+
 import tensorflow as tf
 from tensorflow.python.training.saving import saveable_object  # pylint: disable=g-direct-tensorflow-import
 
@@ -36,7 +38,9 @@ class PiecewiseSave:
 
   def write(self, path, pieces):
     """After TF wrote checkpoint `path`: writes each of `pieces` ({key:
-    tensor}, made one at a time), then merges them into `path`."""
+    tensor}, made one at a time), then merges them into `path`. First
+    removes what a save killed while writing left in its directory."""
+    _sweep(path)
     parts, written = [], set()
     try:
       for n, piece in enumerate(pieces):
@@ -64,6 +68,18 @@ class PiecewiseSave:
       for name in _files(f"{path}_piece") + _files(f"{path}_merged"):
         tf.io.gfile.remove(name)
       raise
+
+
+def _sweep(path):
+  """Removes the pieces and merged files of earlier saves to `path`'s
+  directory under its name (`<name>-<step>_piece<n>.*`, `_merged.*`):
+  only a save killed before it cleaned up leaves them."""
+  directory, _, name = path.rpartition("/")
+  stale = re.compile(re.escape(name.rpartition("-")[0])
+                     + r"-\d+_(piece\d+|merged)\.")
+  for found in tf.io.gfile.listdir(directory):
+    if stale.match(found):
+      tf.io.gfile.remove(f"{directory}/{found}")
 
 
 def _files(prefix):
