@@ -337,25 +337,35 @@ def _shared_layer_model():
   return keras.Model(inputs, outputs)
 
 
-class AroundAFunction(keras.Model):
-  """Unit "a" called twice in the step's graph, around unit "b" called
-  in a nested function's graph (whose backward is in another graph)."""
+class WithANestedFunction(keras.Model):
+  """Units "a" and "b": "a" called in the step's graph, then `nested`
+  called in a nested function's graph (its backward in another graph),
+  then "a" again (`nested="b"`: "a" twice in the step's graph) or "b"
+  (`nested="a"`: "a" in both graphs)."""
 
-  def __init__(self):
+  def __init__(self, nested):
     super().__init__()
     self.a = keras.layers.Dense(3, name="a")
     self.b = keras.layers.Dense(3, name="b")
-    self.inner = tf.function(self.run_b)
+    self.nested, self.last = getattr(self, nested), (
+        self.a if nested == "b" else self.b)
+    self.inner = tf.function(self.run_nested)
 
-  def run_b(self, x):
-    return self.b(x)
+  def run_nested(self, x):
+    return self.nested(x)
 
   def call(self, x):
-    return self.a(self.inner(self.a(x)))
+    return self.last(self.inner(self.a(x)))
 
 
 def _around_a_function():
-  model = AroundAFunction()
+  model = WithANestedFunction("b")
+  model(tf.ones([1, 3]))
+  return model
+
+
+def _in_and_out_of_a_function():
+  model = WithANestedFunction("a")
   model(tf.ones([1, 3]))
   return model
 
@@ -389,25 +399,30 @@ def test_a_unit_called_once_is_updated_in_its_backward(make_model, kwargs,
     assert not any((b == a).all() for b, a in zip(unit_before, unit_after))
 
 
-def test_an_update_in_the_backward_is_the_update_after_it():
+@pytest.mark.parametrize("make_model,in_its_backward", [
+    (_shared_layer_model, ["head"]), (_around_a_function, []),
+    (_in_and_out_of_a_function, ["b"])])
+def test_an_update_in_the_backward_is_the_update_after_it(make_model,
+                                                          in_its_backward):
   """Adam (its step count and bias correction read in the backward),
-  three steps: the same weights and slots either way."""
+  three steps: the same weights and slots either way; a unit called
+  twice anywhere in the step is updated once, after the backward."""
   def adam():
     return keras.optimizers.Adam(0.1)
   runs = []
   for in_backward in (True, False):
     keras.utils.set_random_seed(3)  # The same initial weights.
     strategy, model, sharded = _sharded(
-        _shared_layer_model, make_optimizer=adam,
-        update_in_backward=in_backward)
+        make_model, make_optimizer=adam, update_in_backward=in_backward)
     applied = _recorded_apply(sharded)
     step = _step(strategy, model, sharded)
     for x in (tf.ones([4, 3]), tf.fill([4, 3], 2.0), tf.ones([4, 3])):
       step(x)
     runs.append((sharded.gathered_weights(),
                  [v.numpy() for v in sharded.optimizers[0].variables]))
-    # "head" updated in the backward, or in apply().
-    assert (applied[0][1] is None) == in_backward
+    names = [unit.layer.name for unit in sharded.units]
+    assert [n for n, g in zip(names, applied[0]) if g is None] == (
+        in_its_backward if in_backward else [])
   for mine, theirs in zip(tf.nest.flatten(runs[0]), tf.nest.flatten(runs[1])):
     np.testing.assert_allclose(mine, theirs, rtol=1e-6)
 

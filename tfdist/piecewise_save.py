@@ -17,6 +17,7 @@ behaviour this module needs.
 
 import re
 
+from absl import logging
 import tensorflow as tf
 from tensorflow.python.training.saving import saveable_object  # pylint: disable=g-direct-tensorflow-import
 
@@ -79,7 +80,11 @@ def _sweep(path):
                      + r"-\d+_(piece\d+|merged)\.")
   for found in tf.io.gfile.listdir(directory):
     if stale.match(found):
-      tf.io.gfile.remove(f"{directory}/{found}")
+      try:
+        tf.io.gfile.remove(f"{directory}/{found}")
+      except tf.errors.OpError as e:  # Not worth failing the save for.
+        logging.warning("Could not remove %s/%s, left by an earlier "
+                        "save: %s", directory, found, e.message)
 
 
 def _files(prefix):

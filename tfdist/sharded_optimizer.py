@@ -29,6 +29,7 @@ run resumes on another N, or unsharded, and back.
 
 import contextlib
 import functools
+import math
 
 import numpy as np
 import tensorflow as tf
@@ -172,8 +173,9 @@ def share_restored(strategy, restored, entries, differs_here,
       [key in restored for key, _ in entries], np.float32))
   shared = {}
   for (key, shape), sent in zip(entries, present):
-    if not sent:
-      continue  # Not in the chief's checkpoint: the fresh values stay.
+    if not sent or not math.prod(shape):
+      continue  # Not in the chief's checkpoint (the fresh values stay), or
+      # nothing to send.
     mine = restored.pop(key, None)
     mine = (np.zeros(shape, np.float32) if mine is None
             else np.asarray(mine, np.float32))
@@ -378,8 +380,11 @@ class ShardedUpdate:
     count = self._slot_count()
     if self.restored:
       for k in range(count):
+        keys = [(v, k) for v in range(len(self._variables))]
+        if not all(key in self.restored for key in keys):
+          continue  # Not in the checkpoint: the fresh slots stay.
         flat = self._layout.flatten_numpy(
-            [self.restored[(v, k)] for v in range(len(self._variables))])
+            [self.restored[key] for key in keys])
         for rank, optimizer in zip(self._ranks, self.optimizers):
           slots(optimizer)[k].assign(
               self._collectives.numpy_shard(flat, rank))

@@ -90,7 +90,8 @@ class ShardedParams(params_checkpoint.ParamsCheckpoint):
     self._prefetch, self._reshard = prefetch, reshard
     self._in_backward = update_in_backward and not clip_norm
     self._previous_inputs, self._previous_reduced = {}, {}
-    # {graph: {local replica: [calls of each unit]}}, while traced.
+    # {outermost graph: {local replica: [calls of each unit]}}, while
+    # that function is traced.
     self._calls = weakref.WeakKeyDictionary()
     self._patch = units_lib.CallPatch(self.units, self._unit_call)
 
@@ -157,20 +158,24 @@ class ShardedParams(params_checkpoint.ParamsCheckpoint):
         self.optimizers[local], grads, [s for _, s in pairs],
         run=self._optimizer)
 
-  def _updates_in_backward(self, u, local):
+  def _updates_in_backward(self, u, local, called_in):
     """Whether unit `u`'s backward updates its shard: it ran once in the
-    function being traced, whose forward is done (no replica is inside
-    `gathering()`: not a gradient taken within the forward), and the
-    backward is in the forward's graph (not in a branch's or a loop's)."""
-    if not self._in_backward or self._patch.active or (
-        tf.executing_eagerly()):
+    whole function being traced (its nested functions, branches and
+    loops included), in the graph its backward is in (`called_in`), and
+    the forward is done (this thread is not inside `gathering()`: not a
+    gradient taken within the forward)."""
+    graph = tf.compat.v1.get_default_graph()
+    if (not self._in_backward or self._patch.active or graph is not called_in
+        or tf.executing_eagerly()):
       return False
-    calls = self._calls.get(tf.compat.v1.get_default_graph(), {})
+    calls = self._calls.get(_root_graph(graph), {})
     return calls.get(local, [0] * len(self.units))[u] == 1
 
   def _count_call(self, u, local):
+    """Counts a call of unit `u` in the outermost function being traced."""
     if not tf.executing_eagerly():
-      per_local = self._calls.setdefault(tf.compat.v1.get_default_graph(), {})
+      per_local = self._calls.setdefault(
+          _root_graph(tf.compat.v1.get_default_graph()), {})
       per_local.setdefault(local, [0] * len(self.units))[u] += 1
 
   def gathered_weights(self):
@@ -236,6 +241,7 @@ class ShardedParams(params_checkpoint.ParamsCheckpoint):
     shard = self.shards[local][u].read_value()
     count = len(call.inputs)
     self._count_call(u, local)
+    called_in = tf.compat.v1.get_default_graph()
 
     @tf.custom_gradient
     def unit_fn(*tensors):
@@ -257,7 +263,7 @@ class ShardedParams(params_checkpoint.ParamsCheckpoint):
             inputs, regathered if kept is None else kept, upstream)
         reduced = self._reduce_scatter(u, weight_grads)
         _keep(self._previous_reduced, local, [reduced])
-        if self._updates_in_backward(u, local):
+        if self._updates_in_backward(u, local, called_in):
           sharded_optimizer.update_shard(
               self.optimizers[local], reduced, self.shards[local][u],
               run=self._optimizer)
@@ -284,3 +290,10 @@ def _last(kept, local):
 
 def _keep(kept, local, tensors):
   kept[local] = (tf.compat.v1.get_default_graph(), tensors)
+
+
+def _root_graph(graph):
+  """The outermost function graph `graph` is nested in (itself if none)."""
+  while hasattr(getattr(graph, "outer_graph", None), "outer_graph"):
+    graph = graph.outer_graph
+  return graph

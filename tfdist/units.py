@@ -205,11 +205,12 @@ class CallPatch:
   def __init__(self, units, make_call):
     self._units, self._make_call = units, make_call
     self._lock, self._entered, self._own_calls = threading.Lock(), 0, []
+    self._thread = threading.local()
 
   @property
   def active(self):
-    """Whether a thread is within `patched()`."""
-    return self._entered > 0
+    """Whether this thread is within `patched()`."""
+    return getattr(self._thread, "depth", 0) > 0
 
   @contextlib.contextmanager
   def patched(self):
@@ -221,9 +222,11 @@ class CallPatch:
           object.__setattr__(unit.layer, "call",
                              self._make_call(u, unit.layer.call))
       self._entered += 1
+    self._thread.depth = getattr(self._thread, "depth", 0) + 1
     try:
       yield
     finally:
+      self._thread.depth -= 1
       with self._lock:
         self._entered -= 1
         if not self._entered:

@@ -135,7 +135,8 @@ def _run(config, model, root, data_dir, steps, extra_flags=(), workers=2,
   if resume:
     first = subprocess.run(_command(config, model, model_dir, data_dir,
                                     steps, extra_flags, workers),
-                           cwd=_ROOT, capture_output=True, text=True)
+                           cwd=_ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
     if first.returncode:
       raise RuntimeError(f"{config} {model}'s first run exited "
                          f"{first.returncode}:\n{first.stdout[-4000:]}")
