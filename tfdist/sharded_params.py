@@ -185,14 +185,9 @@ class ShardedParams(params_checkpoint.ParamsCheckpoint):
             for u in range(len(self.units))]
 
   def _whole_unit(self, u):
-    """Unit `u`'s whole weights, as tensors."""
-    @tf.function
-    def gather():
-      def replica_fn():
-        return self._gather(u, self.variables()[u].read_value())
-      return self._strategy.experimental_local_results(
-          self._strategy.run(replica_fn))[0]
-    return gather()
+    """Unit `u`'s whole weights, as tensors: the save's gather of its
+    weights (one traced function per unit, not one per call)."""
+    return self._state_fns[u](0)
 
   @contextlib.contextmanager
   def whole_weights(self):
